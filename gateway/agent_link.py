@@ -1,0 +1,108 @@
+"""The gateway's end of one guest agent's stream.
+
+Reads frames in one task, hands kernel messages and events to callbacks, and
+matches responses to requests by id. Knows nothing of Jupyter or HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
+
+from sandgate_agent import protocol as P
+
+log = logging.getLogger("sandgate.agent_link")
+
+KernelCallback = Callable[[str, List[bytes]], None]
+EventCallback = Callable[[P.EventFrame], None]
+
+
+class AgentError(Exception):
+    """The agent answered a request with an error, or is gone."""
+
+
+class AgentLink:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_kernel: KernelCallback, on_event: EventCallback):
+        self.reader, self.writer = reader, writer
+        self.on_kernel, self.on_event = on_kernel, on_event
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, asyncio.Future] = {}
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        reason = "stream closed"
+        try:
+            while True:
+                frame, payload = await P.read_frame(self.reader)
+                if isinstance(frame, P.KernelFrame):
+                    self.on_kernel(frame.channel, P.split_parts(frame, payload))
+                elif isinstance(frame, P.ResponseFrame):
+                    fut = self._pending.pop(frame.id, None)
+                    if fut and not fut.done():
+                        fut.set_result((frame, payload))
+                elif isinstance(frame, P.EventFrame):
+                    if frame.event == "ready" and not self.ready.done():
+                        self.ready.set_result(frame.data)
+                    self.on_event(frame)
+        except EOFError:
+            pass
+        except P.ProtocolError as e:
+            reason = f"protocol error from agent: {e}"
+            log.error(reason)
+        except (ConnectionError, OSError) as e:
+            reason = f"stream error: {e}"
+        except Exception:  # a callback bug must not wedge the link silently
+            log.exception("agent link reader failed")
+            reason = "internal error reading the agent stream"
+        finally:
+            self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(AgentError(reason))
+        self._pending.clear()
+        if not self.ready.done():
+            self.ready.set_exception(AgentError(reason))
+            self.ready.exception()  # retrieved: nobody may be awaiting it
+        if not self.closed.done():
+            self.closed.set_result(reason)
+
+    def send_kernel(self, channel: str, parts: List[bytes]) -> None:
+        if self.closed.done():
+            raise AgentError("agent stream is closed")
+        self.writer.write(P.encode_kernel(channel, parts))
+
+    async def request(self, op: str, args: Optional[dict] = None, payload: bytes = b"",
+                      timeout: float = 60.0) -> Tuple[dict, bytes]:
+        if self.closed.done():
+            raise AgentError("agent stream is closed")
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self.writer.write(P.encode(P.RequestFrame(id=rid, op=op, args=args or {}), payload))
+        try:
+            await self.writer.drain()
+            frame, data = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise AgentError(f"agent did not answer {op} within {timeout:g} s") from None
+        except (ConnectionError, OSError) as e:
+            raise AgentError(f"agent stream error: {e}") from None
+        finally:
+            self._pending.pop(rid, None)
+        if not frame.ok:
+            raise AgentError(frame.error or f"{op} failed")
+        return frame.result, data
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+        self._fail("closed by the gateway")

@@ -1,0 +1,112 @@
+"""What every handler shares: token auth, CORS, JSON bodies and JSON errors."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Optional, Type, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from tornado import web
+
+log = logging.getLogger("sandgate.api")
+M = TypeVar("M", bound=BaseModel)
+
+
+class AuthMixin:
+    """Token in ``Authorization: token T`` (or ``Bearer T``) or ``?token=T``."""
+
+    def token_ok(self) -> bool:
+        token = self.settings["sandgate"].token
+        if not token:
+            return True
+        auth = self.request.headers.get("Authorization", "")
+        scheme, _, value = auth.partition(" ")
+        given = value.strip() if scheme.lower() in ("token", "bearer") else self.get_query_argument("token", "")
+        return bool(given) and hmac.compare_digest(given.encode(), token.encode())
+
+    def set_cors(self) -> None:
+        allow = self.settings["sandgate"].allow_origin
+        origin = self.request.headers.get("Origin")
+        if allow == "*":
+            self.set_header("Access-Control-Allow-Origin", "*")
+        elif allow and origin == allow:
+            self.set_header("Access-Control-Allow-Origin", origin)
+            self.set_header("Vary", "Origin")
+
+
+class APIHandler(AuthMixin, web.RequestHandler):
+    def prepare(self):
+        self.set_cors()
+        if self.request.method != "OPTIONS" and not self.token_ok():
+            raise web.HTTPError(401)
+
+    @property
+    def km(self):
+        return self.settings["kernel_manager"]
+
+    def set_default_headers(self):
+        self.set_header("Content-Type", "application/json")
+
+    def options(self, *args, **kwargs):
+        # Preflight carries no token by design (browsers cannot add one).
+        if self.settings["sandgate"].allow_origin:
+            self.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type, X-XSRFToken")
+            self.set_header("Access-Control-Allow-Methods", "GET, POST, PUT, PATCH, DELETE, OPTIONS")
+            self.set_header("Access-Control-Max-Age", "600")
+        self.set_status(204)
+        self.finish()
+
+    def body(self, model: Type[M]) -> M:
+        """The request body validated against ``model``; 400 otherwise."""
+        raw = self.request.body or b"{}"
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise web.HTTPError(400, "Invalid JSON in body of request") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise web.HTTPError(400, "The body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+            raise web.HTTPError(400, problems) from None
+
+    def reply(self, data, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data))
+
+    def write_error(self, status_code: int, **kwargs) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = ""
+        if isinstance(exc, web.HTTPError):
+            message = exc.log_message % exc.args if exc.log_message and exc.args else (exc.log_message or "")
+        elif exc is not None:
+            # Logged with its traceback by tornado; the client gets one line.
+            message = f"{type(exc).__name__}: {exc}"
+        reason = self._reason
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"reason": reason, "message": message}))
+
+    def log_exception(self, typ, value, tb):
+        if isinstance(value, web.HTTPError):
+            if value.status_code >= 500 or value.status_code == 403:
+                log.warning("%s %s: %d %s", self.request.method, self.request.path, value.status_code,
+                            value.log_message or "")
+            return
+        super().log_exception(typ, value, tb)
+
+
+def not_found(message: str) -> web.HTTPError:
+    return web.HTTPError(404, "%s", message)
+
+
+def error(status: int, message: str) -> web.HTTPError:
+    return web.HTTPError(status, "%s", message)
+
+
+def optional_str(value) -> Optional[str]:
+    return value if isinstance(value, str) and value else None

@@ -1,0 +1,90 @@
+"""The kernel websocket, ``/api/kernels/{id}/channels``.
+
+One connection is one listener on a kernel (see sessions.Kernel): it gets
+every iopub message and the replies to its own requests. The wire format is
+legacy JSON unless the client offers the v1 subprotocol. A frame that is not
+a Jupyter message is logged and ignored; the connection stays usable (Kernel
+Gateway drops the connection instead). Frames over the size bound close the
+connection with status 1009, as tornado does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from tornado import web, websocket
+
+from ..agent_link import AgentError
+from ..sessions import NoSuchKernel, status_message
+from . import wire
+from .base import AuthMixin
+
+log = logging.getLogger("sandgate.channels")
+
+
+class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
+    kernel = None
+    v1 = False
+
+    async def get(self, kernel_id):
+        # Refuse before the upgrade, so clients see a real HTTP status.
+        self.set_cors()
+        if not self.token_ok():
+            raise web.HTTPError(401)
+        try:
+            self.kernel = self.settings["kernel_manager"].get(kernel_id)
+        except NoSuchKernel:
+            raise web.HTTPError(404, "Kernel does not exist: %s", kernel_id) from None
+        self.session_ids = set()
+        sid = self.get_query_argument("session_id", None)
+        if sid:
+            self.session_ids.add(sid)
+        await super().get(kernel_id)
+
+    def write_error(self, status_code, **kwargs):
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = exc.log_message % exc.args if isinstance(exc, web.HTTPError) and exc.log_message else ""
+        self.set_header("Content-Type", "application/json")
+        self.finish({"reason": self._reason, "message": message})
+
+    def check_origin(self, origin):
+        allow = self.settings["sandgate"].allow_origin
+        return allow == "*" or origin == allow or super().check_origin(origin)
+
+    def select_subprotocol(self, subprotocols):
+        return wire.V1 if wire.V1 in subprotocols else None
+
+    def open(self, kernel_id):
+        self.v1 = self.selected_subprotocol == wire.V1
+        self.kernel.attach(self)
+        if self.kernel.execution_state == "dead":
+            self.deliver("iopub", status_message("dead"))
+        log.info("websocket open on kernel %s (%s)", kernel_id, "v1" if self.v1 else "legacy")
+
+    def on_message(self, message):
+        try:
+            channel, parts, header = (wire.decode_v1 if self.v1 else wire.decode_legacy)(message)
+        except wire.WireError as e:
+            log.warning("kernel %s: ignoring a bad websocket frame: %s", self.kernel.id, e)
+            return
+        if header.get("session"):
+            self.session_ids.add(header["session"])
+        try:
+            self.kernel.send(channel, parts, header)
+        except AgentError as e:
+            log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
+            self.deliver("iopub", status_message("dead", header))
+
+    def deliver(self, channel: str, parts: List[bytes]) -> None:
+        if self.ws_connection is None or self.ws_connection.is_closing():
+            return
+        data = wire.encode_v1(channel, parts) if self.v1 else wire.encode_legacy(channel, parts)
+        try:
+            self.write_message(data, binary=isinstance(data, bytes))
+        except websocket.WebSocketClosedError:
+            pass
+
+    def on_close(self):
+        if self.kernel:
+            self.kernel.detach(self)

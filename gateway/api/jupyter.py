@@ -1,0 +1,248 @@
+"""The Jupyter Kernel Gateway REST API: kernels, kernelspecs, sessions.
+
+Shapes and status codes follow Jupyter Kernel Gateway 3.0 / jupyter_server 2
+(see docs/api.md), with their known defects fixed: an unknown kernel name is
+404 rather than a 500 with a traceback, the kernel list is open by default,
+OPTIONS needs no token, and sessions honour max_kernels.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Dict, List, Optional
+
+from pydantic import BaseModel, ConfigDict
+from tornado import web
+
+from .. import __version__
+from ..agent_link import AgentError
+from ..drivers.base import SandboxError
+from ..sessions import LimitReached, NoSuchKernel
+from .base import APIHandler, error, not_found
+
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+class KernelCreate(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients also send "path"
+    name: Optional[str] = None
+    env: Optional[Dict[str, str]] = None
+
+
+class SessionKernel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Optional[str] = None
+    id: Optional[str] = None
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    path: Optional[str] = None
+    name: Optional[str] = None
+    type: Optional[str] = None
+    kernel: Optional[SessionKernel] = None
+
+
+class MainHandler(APIHandler):
+    def get(self):
+        self.reply({"version": __version__})
+
+
+class KernelSpecsHandler(APIHandler):
+    def get(self):
+        self.reply(self.km.specs.model())
+
+
+class KernelSpecHandler(APIHandler):
+    def get(self, name):
+        try:
+            self.reply(self.km.specs.get(name).model())
+        except KeyError:
+            raise not_found(f"Kernel spec {name} not found") from None
+
+
+class KernelSpecResourceHandler(APIHandler):
+    def get(self, name, path):
+        # Sandgate kernelspecs carry no logo files; say so precisely.
+        if name not in self.km.specs.specs:
+            raise not_found(f"Kernel spec {name} not found")
+        raise not_found(f"Kernel spec {name} has no resource {path}")
+
+
+async def start_kernel(handler: APIHandler, name: Optional[str], env: Optional[dict]):
+    try:
+        return await handler.km.start(name, env)
+    except KeyError:
+        raise not_found(f"No such kernel named {name}") from None
+    except LimitReached:
+        raise error(403, "Resource Limit") from None
+    except SandboxError as e:
+        raise error(503, str(e)) from None
+
+
+class KernelsHandler(APIHandler):
+    def get(self):
+        self.reply([k.model() for k in self.km.list()])
+
+    async def post(self):
+        body = self.body(KernelCreate)
+        kernel = await start_kernel(self, body.name, body.env)
+        self.set_header("Location", f"/api/kernels/{kernel.id}")
+        self.reply(kernel.model(), 201)
+
+
+class KernelHandler(APIHandler):
+    def kernel(self, kernel_id):
+        try:
+            return self.km.get(kernel_id)
+        except NoSuchKernel:
+            raise not_found(f"Kernel does not exist: {kernel_id}") from None
+
+    def get(self, kernel_id):
+        self.reply(self.kernel(kernel_id).model())
+
+    async def delete(self, kernel_id):
+        self.kernel(kernel_id)
+        try:
+            await self.km.shutdown(kernel_id)
+        except NoSuchKernel:  # raced with another delete or the culler
+            raise not_found(f"Kernel does not exist: {kernel_id}") from None
+        self.set_status(204)
+        self.finish()
+
+
+class KernelActionHandler(KernelHandler):
+    async def post(self, kernel_id, action):
+        self.kernel(kernel_id)
+        try:
+            if action == "interrupt":
+                await self.km.interrupt(kernel_id)
+                self.set_status(204)
+                return self.finish()
+            kernel = await self.km.restart(kernel_id)
+        except NoSuchKernel:
+            raise not_found(f"Kernel does not exist: {kernel_id}") from None
+        except (AgentError, SandboxError) as e:
+            raise error(500, f"Could not {action} kernel {kernel_id}: {e}") from None
+        self.reply(kernel.model())
+
+
+class NotebookSessions:
+    """jupyter_server's session records: a notebook path bound to a kernel."""
+
+    def __init__(self):
+        self.sessions: Dict[str, dict] = {}
+
+    def model(self, sid: str, km) -> Optional[dict]:
+        s = self.sessions[sid]
+        try:
+            kernel = km.get(s["kernel_id"]).model()
+        except NoSuchKernel:
+            return None
+        return {"id": sid, "path": s["path"], "name": s["name"], "type": s["type"], "kernel": kernel,
+                "notebook": {"path": s["path"], "name": s["name"]}}
+
+    def live(self, km) -> List[dict]:
+        out = []
+        for sid in list(self.sessions):
+            m = self.model(sid, km)
+            if m is None:  # its kernel was deleted or culled
+                del self.sessions[sid]
+            else:
+                out.append(m)
+        return out
+
+
+class SessionsHandler(APIHandler):
+    @property
+    def store(self) -> NotebookSessions:
+        return self.settings["notebook_sessions"]
+
+    def get(self):
+        self.reply(self.store.live(self.km))
+
+    async def post(self):
+        body = self.body(SessionCreate)
+        extra = body.model_extra or {}
+        path = body.path or (extra.get("notebook") or {}).get("path")
+        if not path:
+            raise error(400, "Missing field in JSON data: path")
+        kind = body.type or ("notebook" if extra.get("notebook") else None)
+        if not kind:
+            raise error(400, "Missing field in JSON data: type")
+        for m in self.store.live(self.km):
+            if m["path"] == path:
+                return self.reply(m, 201)
+        spec = body.kernel or SessionKernel()
+        if spec.id:
+            try:
+                kernel = self.km.get(spec.id)
+            except NoSuchKernel:
+                raise not_found(f"Kernel does not exist: {spec.id}") from None
+        else:
+            if spec.name and spec.name not in self.km.specs.specs:
+                raise error(501, f"The '{spec.name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
+            kernel = await start_kernel(self, spec.name, None)
+        sid = str(uuid.uuid4())
+        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": kernel.id}
+        self.set_header("Location", f"/api/sessions/{sid}")
+        self.reply(self.store.model(sid, self.km), 201)
+
+
+class SessionHandler(SessionsHandler):
+    def session(self, sid):
+        if sid not in self.store.sessions or self.store.model(sid, self.km) is None:
+            raise not_found(f"Session not found: {sid}")
+        return self.store.sessions[sid]
+
+    def get(self, sid):
+        self.session(sid)
+        self.reply(self.store.model(sid, self.km))
+
+    async def patch(self, sid):
+        s = self.session(sid)
+        body = self.body(SessionCreate)
+        for key in ("path", "name", "type"):
+            if getattr(body, key) is not None:
+                s[key] = getattr(body, key)
+        if body.kernel and body.kernel.id:
+            try:
+                self.km.get(body.kernel.id)
+            except NoSuchKernel:
+                raise not_found(f"Kernel does not exist: {body.kernel.id}") from None
+            s["kernel_id"] = body.kernel.id
+        elif body.kernel and body.kernel.name:
+            old = s["kernel_id"]
+            s["kernel_id"] = (await start_kernel(self, body.kernel.name, None)).id
+            await self.km.shutdown(old)
+        self.reply(self.store.model(sid, self.km))
+
+    async def delete(self, sid):
+        s = self.session(sid)
+        del self.store.sessions[sid]
+        try:
+            await self.km.shutdown(s["kernel_id"])
+        except NoSuchKernel:
+            pass
+        self.set_status(204)
+        self.finish()
+
+
+def routes() -> list:
+    return [
+        (r"/api/?", MainHandler),
+        (r"/api/kernelspecs/?", KernelSpecsHandler),
+        (r"/api/kernelspecs/([^/]+)/?", KernelSpecHandler),
+        (r"/kernelspecs/([^/]+)/(.+)", KernelSpecResourceHandler),
+        (r"/api/kernels/?", KernelsHandler),
+        (rf"/api/kernels/({UUID})/?", KernelHandler),
+        (rf"/api/kernels/({UUID})/(interrupt|restart)/?", KernelActionHandler),
+        (r"/api/sessions/?", SessionsHandler),
+        (rf"/api/sessions/({UUID})/?", SessionHandler),
+    ]
+
+
+class NotFoundHandler(APIHandler):
+    def prepare(self):
+        super().prepare()
+        raise web.HTTPError(404, "%s", f"No such endpoint: {self.request.path}")

@@ -1,0 +1,183 @@
+"""`sandgate`: serve | image build | doctor | bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from . import __version__
+from .config import Settings
+
+
+def cmd_serve(args) -> int:
+    from tornado import httpserver
+
+    from sandgate_images import rootfs as images
+
+    from .app import make_app
+
+    settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
+                             max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
+                             default_driver=args.driver, home=args.home)
+    generated = settings.token is None
+    if generated:
+        settings.token = secrets.token_urlsafe(24)
+    if settings.default_driver == "gvisor" and not images.is_built(settings.home):
+        try:
+            images.build(settings.home)
+        except RuntimeError as e:
+            print(f"sandgate: cannot build the sandbox image: {e}", file=sys.stderr)
+            return 1
+
+    async def run() -> None:
+        try:
+            app = make_app(settings)
+        except ValueError as e:
+            raise SystemExit(f"sandgate: {e}") from None
+        manager = app.settings["kernel_manager"]
+        server = httpserver.HTTPServer(app, max_body_size=settings.max_message_mb << 20)
+        try:
+            server.listen(settings.port, settings.ip)
+        except OSError as e:
+            raise SystemExit(f"sandgate: cannot listen on {settings.ip}:{settings.port}: {e}") from None
+        manager.start_culler()
+        port = next(iter(server._sockets.values())).getsockname()[1]
+        url = f"http://{settings.ip}:{port}"
+        print(f"Sandgate {__version__} serving at {url} (drivers: {', '.join(manager.drivers) or 'none'})", flush=True)
+        if generated:
+            print(f"Token (generated): {settings.token}", flush=True)
+        print(f"  jupyter lab --gateway-url={url} --GatewayClient.auth_token=<token>", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logging.getLogger("sandgate").info("shutting down: stopping %d kernels", len(manager.kernels))
+        server.stop()
+        await manager.shutdown_all()
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_image(args) -> int:
+    from sandgate_images import rootfs as images
+
+    settings = Settings.load(home=args.home)
+    if args.action == "build":
+        try:
+            path = images.build(settings.home)
+        except RuntimeError as e:
+            print(f"sandgate: image build failed: {e}", file=sys.stderr)
+            return 1
+        print(path)
+    else:
+        path = images.image_dir(settings.home)
+        print(json.dumps({"image": path.name, "path": str(path), "built": images.is_built(settings.home)}))
+    return 0
+
+
+def kvm_usable(timeout: float = 8.0) -> tuple[bool, str]:
+    """Try KVM for real: /dev/kvm can exist and still hang every guest (nested PVM)."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    qemu = shutil.which("qemu-system-x86_64")
+    if not qemu:
+        return False, "/dev/kvm present; qemu-system-x86_64 not installed to try it"
+    try:
+        p = subprocess.run([qemu, "-accel", "kvm", "-M", "microvm", "-nodefaults", "-no-user-config",
+                            "-display", "none", "-S", "-qmp", "stdio"], input=b'{"execute":"qmp_capabilities"}\n'
+                           b'{"execute":"quit"}\n', capture_output=True, timeout=timeout)
+        if p.returncode == 0:
+            return True, "/dev/kvm opens and qemu starts a KVM microvm (guest boot not yet tried)"
+        return False, "qemu cannot use /dev/kvm: " + p.stderr.decode(errors="replace").strip().splitlines()[-1:][0]
+    except subprocess.TimeoutExpired:
+        return False, f"qemu with -accel kvm did not answer within {timeout:g} s"
+    except IndexError:
+        return False, "qemu with -accel kvm failed"
+
+
+def cmd_doctor(args) -> int:
+    from sandgate_images import rootfs as images
+
+    from .drivers import DRIVERS
+
+    settings = Settings.load(home=args.home)
+    rows = []
+    for name, cls in DRIVERS.items():
+        ok, why = cls.probe()
+        rows.append((f"driver {name}", ok, why))
+    qemu = shutil.which("qemu-system-x86_64")
+    rows.append(("qemu", bool(qemu), qemu or "qemu-system-x86_64 not found (apt-get install qemu-system-x86)"))
+    rows.append(("kvm", *kvm_usable()))
+    vsock = os.path.exists("/dev/vhost-vsock")
+    rows.append(("vsock", vsock, "/dev/vhost-vsock present" if vsock else "no /dev/vhost-vsock: VMs use virtio-serial"))
+    mm = shutil.which("mmdebstrap")
+    rows.append(("mmdebstrap", bool(mm), mm or "not found (apt-get install mmdebstrap)"))
+    rows.append(("image", images.is_built(settings.home), str(images.image_dir(settings.home))))
+    rows.append(("cgroups", True, "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1"))
+    rows.append(("root", os.geteuid() == 0, "running as root" if os.geteuid() == 0 else "not root: runsc --rootless"))
+    if args.json:
+        print(json.dumps({r[0]: {"ok": r[1], "detail": r[2]} for r in rows}, indent=1))
+    else:
+        for what, ok, detail in rows:
+            print(f"{'ok ' if ok else 'no '} {what:<15} {detail}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run
+
+    return run(args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="sandgate", description="A Jupyter kernel gateway whose kernels run in sandboxes.")
+    ap.add_argument("--version", action="version", version=__version__)
+    ap.add_argument("--log-level", default=os.environ.get("SANDGATE_LOG_LEVEL", "INFO"))
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway (every flag also reads SANDGATE_<FLAG>)")
+    s.add_argument("--ip", help="address to listen on (SANDGATE_IP, default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (SANDGATE_PORT, default 8888; 0 picks a free one)")
+    s.add_argument("--token", help="auth token (SANDGATE_TOKEN; generated and printed when unset)")
+    s.add_argument("--allow-origin", help="CORS origin, or * (SANDGATE_ALLOW_ORIGIN)")
+    s.add_argument("--max-kernels", type=int, help="SANDGATE_MAX_KERNELS, default 16")
+    s.add_argument("--cull-idle-timeout", type=float, help="seconds; 0 never culls (SANDGATE_CULL_IDLE_TIMEOUT)")
+    s.add_argument("--driver", help="default sandbox driver (SANDGATE_DRIVER, default gvisor)")
+    s.add_argument("--home", help="state and image cache (SANDGATE_HOME, default ~/.cache/sandgate)")
+    s.set_defaults(fn=cmd_serve)
+
+    i = sub.add_parser("image", help="build or show the sandbox image")
+    i.add_argument("action", choices=["build", "show"])
+    i.add_argument("--home")
+    i.set_defaults(fn=cmd_image)
+
+    d = sub.add_parser("doctor", help="what this host supports")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--home")
+    d.set_defaults(fn=cmd_doctor)
+
+    b = sub.add_parser("bench", help="benchmark against jupyter-client and jupyter-kernel-gateway")
+    b.add_argument("--runs", type=int, default=200, help="execute round trips per target")
+    b.add_argument("--output", default="bench.json")
+    b.add_argument("--home")
+    b.set_defaults(fn=cmd_bench)
+
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[%(levelname).1s %(asctime)s %(name)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The driver interface: the spine every sandbox backend plugs into.
+
+A driver knows how to start one sandbox running the guest agent, hand back
+the agent's byte stream, and destroy it. It knows nothing of Jupyter, HTTP,
+tenants or routing. A new backend is one new module with one Driver subclass
+registered in drivers/__init__.py.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from pydantic import BaseModel, Field
+
+
+class Limits(BaseModel):
+    memory_mb: int = Field(1024, ge=64, le=1 << 20)
+    cpus: float = Field(1.0, gt=0, le=256)
+    pids: int = Field(512, ge=16, le=1 << 20)
+
+
+class SandboxSpec(BaseModel):
+    id: str
+    rootfs: Path  # read-only image root
+    agent_dir: Path  # holds the sandgate_agent package, mounted read-only
+    workspace: Path  # host directory, the sandbox's only writable persistent storage
+    state_dir: Path  # driver-private files for this sandbox
+    env: Dict[str, str] = {}  # exactly what the sandbox sees, beyond the base variables
+    limits: Limits = Limits()
+
+
+class SandboxError(Exception):
+    """A sandbox could not be created or has failed; the message says why."""
+
+
+class Sandbox(abc.ABC):
+    """One running sandbox. ``reader``/``writer`` are the agent's stream."""
+
+    def __init__(self, spec: SandboxSpec):
+        self.spec = spec
+        self.reader: Optional[asyncio.StreamReader] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @abc.abstractmethod
+    async def wait(self) -> int:
+        """Wait until the sandbox has stopped; returns its exit status."""
+
+    @abc.abstractmethod
+    def failure(self) -> str:
+        """Why the sandbox stopped, for people: exit status and last log lines."""
+
+    @abc.abstractmethod
+    async def destroy(self) -> None:
+        """Stop the sandbox and remove everything it left on the host."""
+
+
+class Driver(abc.ABC):
+    name: str = ""
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> Tuple[bool, str]:
+        """Whether this host can run the driver, and a one-line explanation."""
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox whose agent is ready to read frames."""

@@ -1,0 +1,181 @@
+"""gVisor sandboxes via runsc: one OCI bundle and one `runsc run` per sandbox.
+
+The agent's stream is the sandbox's stdin/stdout. The image root is mounted
+read-only, the workspace read-write, /tmp is a tmpfs, there is no network
+(`--network=none`, loopback only) and no host path beyond those. Limits go to
+the OCI `linux.resources` block, which runsc enforces with cgroups.
+
+The ptrace platform is the default because it runs everywhere, nested VMs
+included; `SANDGATE_RUNSC_PLATFORM=systrap|kvm` picks another where it works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import shutil
+from typing import List, Optional, Tuple
+
+from .base import Driver, Sandbox, SandboxError, SandboxSpec
+
+log = logging.getLogger("sandgate.gvisor")
+
+# uid/gid of the sandbox user: not root, even inside the sandbox.
+SANDBOX_UID = 1000
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/workspace",
+    "LANG": "C.UTF-8",
+    "PYTHONPATH": "/opt/sandgate",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "MPLCONFIGDIR": "/tmp/matplotlib",
+    "JUPYTER_RUNTIME_DIR": "/tmp/jupyter",
+}
+
+
+def runsc_path() -> Optional[str]:
+    return os.environ.get("SANDGATE_RUNSC") or shutil.which("runsc")
+
+
+def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
+    env = {**BASE_ENV, **spec.env}
+    lim = spec.limits
+    tmpfs = ["nosuid", "nodev", "mode=1777"]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
+            "args": argv,
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/workspace",
+            "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            "noNewPrivileges": True,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+        },
+        "root": {"path": str(spec.rootfs), "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": tmpfs},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": tmpfs},
+            {"destination": "/workspace", "type": "bind", "source": str(spec.workspace), "options": ["rbind", "rw"]},
+            {"destination": "/opt/sandgate", "type": "bind", "source": str(spec.agent_dir), "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
+            "cgroupsPath": f"/sandgate/{spec.id}",
+            "resources": {
+                "memory": {"limit": lim.memory_mb << 20},
+                "pids": {"limit": lim.pids},
+                "cpu": {"quota": int(lim.cpus * 100_000), "period": 100_000},
+            },
+        },
+    }
+
+
+class GVisorSandbox(Sandbox):
+    def __init__(self, spec: SandboxSpec, driver: "GVisorDriver"):
+        super().__init__(spec)
+        self.driver = driver
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._stderr_task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        bundle = self.spec.state_dir / "bundle"
+        bundle.mkdir(parents=True, exist_ok=True)
+        self.spec.workspace.mkdir(parents=True, exist_ok=True)
+        os.chown(self.spec.workspace, SANDBOX_UID, SANDBOX_UID) if os.geteuid() == 0 else None
+        argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
+                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate"]
+        (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.driver.runsc_args(), "run", "--bundle", str(bundle), self.id,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        self.reader, self.writer = self.proc.stdout, self.proc.stdin
+        self._stderr_task = asyncio.ensure_future(self._drain_stderr())
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc and self.proc.stderr
+        async for line in self.proc.stderr:
+            text = line.decode(errors="replace").rstrip()
+            self.log_tail.append(text)
+            log.debug("[%s] %s", self.id, text)
+
+    async def wait(self) -> int:
+        assert self.proc
+        return await self.proc.wait()
+
+    def failure(self) -> str:
+        code = self.proc.returncode if self.proc else None
+        if code is None:
+            what = "sandbox is running"
+        elif code in (137, -9):
+            what = f"sandbox was killed (exit status {code}: SIGKILL, typically the {self.spec.limits.memory_mb} MB memory limit)"
+        else:
+            what = f"sandbox exited with status {code}"
+        tail = [line for line in self.log_tail if line.strip()][-5:]
+        return what + (": " + " | ".join(tail) if tail else "")
+
+    async def destroy(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            try:
+                self.proc.stdin.close()
+            except Exception:
+                pass
+            await self.driver.runsc("kill", self.id, "KILL")
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        await self.driver.runsc("delete", "--force", self.id)
+        if self._stderr_task:
+            self._stderr_task.cancel()
+        shutil.rmtree(self.spec.state_dir, ignore_errors=True)
+
+
+class GVisorDriver(Driver):
+    name = "gvisor"
+
+    def __init__(self, root_dir: str, platform: Optional[str] = None):
+        self.root_dir = root_dir
+        self.platform = platform or os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace")
+        os.makedirs(root_dir, exist_ok=True)
+
+    @classmethod
+    def probe(cls) -> Tuple[bool, str]:
+        path = runsc_path()
+        if not path:
+            return False, "runsc not found (apt-get install runsc)"
+        return True, f"runsc at {path}"
+
+    def runsc_args(self) -> List[str]:
+        args = [runsc_path() or "runsc", "--root", self.root_dir, "--network=none", f"--platform={self.platform}"]
+        if os.geteuid() != 0:
+            args.append("--rootless")
+        return args
+
+    async def runsc(self, *args: str) -> Tuple[int, str]:
+        p = await asyncio.create_subprocess_exec(*self.runsc_args(), *args, stdin=asyncio.subprocess.DEVNULL,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await p.communicate()
+        return p.returncode, out.decode(errors="replace")
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if not runsc_path():
+            raise SandboxError("runsc not found: install gVisor (apt-get install runsc)")
+        sb = GVisorSandbox(spec, self)
+        try:
+            await sb.start()
+        except OSError as e:
+            await sb.destroy()
+            raise SandboxError(f"could not start runsc: {e}") from None
+        return sb

@@ -1,0 +1,441 @@
+"""The guest agent: runs inside a sandbox, owns its kernel, speaks one stream.
+
+It starts ipykernel (ipc transport), connects the four Jupyter channels, and
+bridges them, plus file and command requests, to the gateway over a single
+framed stream (see protocol.py). The agent, not the gateway, holds the
+kernel: if the stream goes away the kernel keeps running and its messages are
+buffered up to a bound; a reconnecting gateway gets them back, and a count of
+whatever was dropped past the bound.
+
+Transports: ``stdio`` (gVisor: the sandbox's stdin/stdout), ``unix:PATH`` and
+``vsock:PORT`` (listen, one gateway at a time), ``serial:DEVICE``
+(virtio-serial port). Needs only the Python standard library, pyzmq,
+jupyter_client (for message signing), ipykernel and pydantic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import sys
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+from jupyter_client.session import Session
+
+try:
+    from . import protocol as P
+except ImportError:  # run as a script
+    import protocol as P  # type: ignore
+
+DELIM = b"<IDS|MSG>"
+OWN = b"sandgate-agent-"  # msg_id prefix of the agent's own kernel requests
+IPC_PORTS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
+
+
+def log(*args) -> None:
+    print("sandgate-agent:", *args, file=sys.stderr, flush=True)
+
+
+class Outbox:
+    """Frames to the gateway: written when attached, buffered when not."""
+
+    def __init__(self, max_frames: int, max_bytes: int):
+        self.writer: asyncio.StreamWriter | None = None
+        self.buffer: collections.deque[bytes] = collections.deque()
+        self.buffered_bytes = 0
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self.dropped = 0
+        self.dropped_bytes = 0
+
+    async def send(self, data: bytes) -> None:
+        w = self.writer
+        if w is not None:
+            try:
+                w.write(data)
+                await w.drain()
+                return
+            except (ConnectionError, OSError):
+                self.writer = None
+                log("stream lost; buffering")
+        self._keep(data)
+
+    def _keep(self, data: bytes) -> None:
+        # Past the bound, newer frames are dropped: the buffered prefix stays
+        # a consistent history, and the gateway is told how much is missing.
+        if len(self.buffer) >= self.max_frames or self.buffered_bytes + len(data) > self.max_bytes:
+            self.dropped += 1
+            self.dropped_bytes += len(data)
+            return
+        self.buffer.append(data)
+        self.buffered_bytes += len(data)
+
+    async def attach(self, writer: asyncio.StreamWriter) -> None:
+        if self.dropped:
+            writer.write(P.encode(P.EventFrame(event="dropped", data={
+                "frames": self.dropped, "bytes": self.dropped_bytes})))
+            self.dropped = self.dropped_bytes = 0
+        while self.buffer:
+            writer.write(self.buffer.popleft())
+        self.buffered_bytes = 0
+        self.writer = writer
+        await writer.drain()
+
+    def detach(self) -> None:
+        self.writer = None
+
+
+class KernelProcess:
+    """One ipykernel process and the agent's sockets to it."""
+
+    def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None):
+        self.dir = runtime_dir
+        self.workspace = workspace
+        self.argv = argv
+        self.session = Session(key=uuid.uuid4().hex.encode(), signature_scheme="hmac-sha256")
+        self.ctx = zmq.asyncio.Context()
+        self.proc: asyncio.subprocess.Process | None = None
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.conn_file = os.path.join(runtime_dir, "kernel.json")
+        os.makedirs(runtime_dir, exist_ok=True)
+        ports = {f"{name}_port": port for name, port in IPC_PORTS.items()}
+        with open(self.conn_file, "w") as f:
+            json.dump(dict(transport="ipc", ip=os.path.join(runtime_dir, "k"), key=self.session.key.decode(),
+                           signature_scheme="hmac-sha256", kernel_name="python3", **ports), f)
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.dir, 'k')}-{IPC_PORTS[name]}"
+
+    def connect(self) -> None:
+        ident = self.session.bsession
+        for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER), ("iopub", zmq.SUB)):
+            s = self.ctx.socket(kind)
+            s.linger = 0
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+            else:
+                # stdin must share the shell identity: the kernel sends
+                # input_request to the identity that sent execute_request.
+                s.setsockopt(zmq.IDENTITY, ident)
+            s.connect(self.endpoint(name))
+            self.sockets[name] = s
+
+    async def spawn(self) -> None:
+        argv = self.argv or [sys.executable, "-m", "sandgate_agent.kernel"]
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, "-f", self.conn_file, cwd=self.workspace,
+            stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
+            start_new_session=True)
+
+    async def send(self, channel: str, parts: list[bytes]) -> None:
+        sig = self.session.sign(parts[:4])
+        await self.sockets[channel].send_multipart([DELIM, sig, *parts])
+
+    async def kill(self) -> None:
+        p = self.proc
+        if p and p.returncode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await p.wait()
+
+    def interrupt(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            os.kill(self.proc.pid, signal.SIGINT)
+
+    async def heartbeat(self, timeout: float = 1.0) -> bool:
+        s = self.ctx.socket(zmq.REQ)
+        s.linger = 0
+        s.connect(self.endpoint("hb"))
+        try:
+            await s.send(b"ping")
+            return bool(await s.poll(int(timeout * 1000)))
+        finally:
+            s.close()
+
+
+class Agent:
+    def __init__(self, args: argparse.Namespace):
+        self.workspace = os.path.realpath(args.workspace)
+        os.makedirs(self.workspace, exist_ok=True)
+        self.out = Outbox(args.buffer_frames, args.buffer_bytes)
+        self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd)
+        self.ready = asyncio.Event()
+        self.restarting = False
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.deaths: collections.deque[float] = collections.deque(maxlen=5)
+
+    # -- kernel side ----------------------------------------------------
+    async def start_kernel(self) -> dict:
+        await self.kernel.spawn()
+        asyncio.ensure_future(self.watch(self.kernel.proc))
+        info = await self.kernel_info()
+        self.ready.set()
+        return {"pid": self.kernel.proc.pid, "language_info": info.get("language_info", {})}
+
+    async def kernel_info(self, deadline: float = 120.0) -> dict:
+        """Ask until the kernel answers: the first requests may go out before
+        it has bound its sockets."""
+        t_end = time.monotonic() + deadline
+        while time.monotonic() < t_end:
+            if self.kernel.proc.returncode is not None:
+                raise RuntimeError(f"kernel exited with status {self.kernel.proc.returncode} during start")
+            msg_id = OWN.decode() + uuid.uuid4().hex
+            fut = asyncio.get_running_loop().create_future()
+            self.waiters[msg_id] = fut
+            msg = self.kernel.session.msg("kernel_info_request", {})
+            msg["header"]["msg_id"] = msg_id
+            parts = self.kernel.session.serialize(msg)[2:]  # drop DELIM, signature
+            await self.kernel.send("shell", parts)
+            try:
+                return await asyncio.wait_for(fut, 1.0)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.waiters.pop(msg_id, None)
+        raise RuntimeError("kernel did not answer kernel_info within the deadline")
+
+    async def watch(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if proc is not self.kernel.proc or self.restarting:
+            return
+        self.ready.clear()
+        log(f"kernel exited with status {code}")
+        await self.out.send(P.encode(P.EventFrame(event="kernel_died", data={"exit_code": code})))
+        now = time.monotonic()
+        self.deaths.append(now)
+        if len(self.deaths) == self.deaths.maxlen and now - self.deaths[0] < 60:
+            await self.out.send(P.encode(P.EventFrame(event="kernel_died", data={
+                "exit_code": code, "final": True, "reason": "kernel died 5 times within 60 s"})))
+            return
+        try:
+            info = await self.start_kernel()
+        except Exception as e:
+            await self.out.send(P.encode(P.EventFrame(event="kernel_died", data={
+                "exit_code": code, "final": True, "reason": str(e)})))
+            return
+        await self.out.send(P.encode(P.EventFrame(event="kernel_restarted", data=info)))
+
+    async def pump(self, channel: str) -> None:
+        sock = self.kernel.sockets[channel]
+        while True:
+            msg = await sock.recv_multipart()
+            try:
+                parts = msg[msg.index(DELIM) + 2:]
+            except ValueError:
+                continue
+            if len(parts) < 4:
+                continue
+            if OWN in parts[1]:  # a reply to (or output of) the agent's own request
+                if channel == "shell":
+                    parent = json.loads(parts[1])
+                    fut = self.waiters.get(parent.get("msg_id"))
+                    if fut and not fut.done():
+                        fut.set_result(json.loads(parts[3]))
+                continue
+            await self.out.send(P.encode_kernel(channel, parts))
+
+    # -- gateway side ---------------------------------------------------
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.out.attach(writer)
+        try:
+            while True:
+                try:
+                    frame, payload = await P.read_frame(reader)
+                except EOFError:
+                    return
+                if isinstance(frame, P.KernelFrame):
+                    if frame.channel == "iopub":
+                        continue
+                    await self.ready.wait()
+                    await self.kernel.send(frame.channel, P.split_parts(frame, payload))
+                elif isinstance(frame, P.RequestFrame):
+                    asyncio.ensure_future(self.answer(frame, payload))
+        except P.ProtocolError as e:
+            log(f"protocol error, dropping the connection: {e}")
+        finally:
+            if self.out.writer is writer:
+                self.out.detach()
+
+    async def answer(self, req: P.RequestFrame, payload: bytes) -> None:
+        data = b""
+        try:
+            model = P.OP_ARGS.get(req.op)
+            if model is None:
+                raise ValueError(f"unknown op {req.op!r}")
+            result, data = await getattr(self, "op_" + req.op)(model(**req.args), payload)
+            resp = P.ResponseFrame(id=req.id, ok=True, result=result)
+        except Exception as e:
+            resp = P.ResponseFrame(id=req.id, ok=False, error=f"{type(e).__name__}: {e}")
+            data = b""
+        await self.out.send(P.encode(resp, data))
+
+    def resolve(self, path: str) -> str:
+        full = os.path.realpath(os.path.join(self.workspace, path.lstrip("/")))
+        if full != self.workspace and not full.startswith(self.workspace + os.sep):
+            raise PermissionError(f"{path!r} is outside the workspace")
+        return full
+
+    async def op_ping(self, a, _):
+        alive = self.kernel.proc is not None and self.kernel.proc.returncode is None
+        return {"kernel_alive": alive, "kernel_responding": alive and await self.kernel.heartbeat(),
+                "pid": self.kernel.proc.pid if self.kernel.proc else None,
+                "buffered": len(self.out.buffer), "agent_version": P.VERSION}, b""
+
+    async def op_attach(self, a, _):
+        return {}, b""  # attaching is implied by the connection itself
+
+    async def op_detach(self, a, _):
+        self.out.detach()
+        return {}, b""
+
+    async def op_interrupt(self, a, _):
+        self.kernel.interrupt()
+        return {}, b""
+
+    async def op_restart(self, a, _):
+        self.restarting = True
+        self.ready.clear()
+        try:
+            await self.kernel.kill()
+            info = await self.start_kernel()
+        finally:
+            self.restarting = False
+        return info, b""
+
+    async def op_file_read(self, a, _):
+        with open(self.resolve(a.path), "rb") as f:
+            data = f.read(P.MAX_PAYLOAD + 1)
+        if len(data) > P.MAX_PAYLOAD:
+            raise ValueError("file is larger than the protocol's payload limit")
+        return {"size": len(data)}, data
+
+    async def op_file_write(self, a, payload):
+        path = self.resolve(a.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.sandgate-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.chmod(tmp, a.mode)
+        os.replace(tmp, path)  # readers never see half a file
+        return {"size": len(payload)}, b""
+
+    async def op_file_list(self, a, _):
+        base = self.resolve(a.path)
+        entries = []
+        for e in sorted(os.scandir(base), key=lambda e: e.name):
+            st = e.stat(follow_symlinks=False)
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode) else "file"
+            entries.append({"name": e.name, "type": kind, "size": st.st_size, "mtime": st.st_mtime})
+        return {"entries": entries}, b""
+
+    async def op_file_delete(self, a, _):
+        path = self.resolve(a.path)
+        if path == self.workspace:
+            raise PermissionError("refusing to delete the workspace itself")
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return {}, b""
+
+    async def op_exec(self, a, _):
+        proc = await asyncio.create_subprocess_exec(
+            *a.argv, cwd=self.resolve(a.cwd), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), a.timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = await proc.communicate()
+        return {"exit_code": proc.returncode, "timed_out": timed_out, "stdout_len": len(out)}, out + err
+
+
+async def stdio_streams():
+    loop = asyncio.get_running_loop()
+    # Keep the real stdout for frames only; anything else printed goes to stderr.
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(0, "rb", 0))
+    transport, proto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(out_fd, "wb", 0))
+    writer = asyncio.StreamWriter(transport, proto, reader, loop)
+    return reader, writer
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    agent = Agent(args)
+    agent.kernel.connect()
+    for ch in ("shell", "control", "stdin", "iopub"):
+        asyncio.ensure_future(agent.pump(ch))
+    info = await agent.start_kernel()
+    ready = P.encode(P.EventFrame(event="ready", data=info))
+    kind, _, where = args.transport.partition(":")
+    if kind == "stdio":
+        reader, writer = await stdio_streams()
+        writer.write(ready)
+        await agent.serve(reader, writer)
+        log("stdin closed; stopping")
+        await agent.kernel.kill()
+        return
+    if kind == "serial":  # the device persists; reopen after each hangup
+        while True:
+            fd = os.open(where, os.O_RDWR | os.O_NOCTTY)
+            reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)
+            loop = asyncio.get_running_loop()
+            f = os.fdopen(fd, "r+b", 0)
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), f)
+            t, proto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(os.dup(fd), "wb", 0))
+            writer = asyncio.StreamWriter(t, proto, reader, loop)
+            writer.write(ready)
+            await agent.serve(reader, writer)
+            await asyncio.sleep(0.2)
+
+    async def on_connect(reader, writer):
+        writer.write(ready)
+        await agent.serve(reader, writer)
+        writer.close()
+
+    if kind == "unix":
+        server = await asyncio.start_unix_server(on_connect, path=where, limit=P.MAX_PAYLOAD)
+    elif kind == "vsock":
+        sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        sock.bind((socket.VMADDR_CID_ANY, int(where)))
+        server = await asyncio.start_server(on_connect, sock=sock, limit=P.MAX_PAYLOAD)
+    else:
+        raise SystemExit(f"unknown transport {args.transport!r}")
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="sandgate-agent", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", default="stdio", help="stdio | unix:PATH | vsock:PORT | serial:DEVICE")
+    ap.add_argument("--workspace", default="/workspace")
+    ap.add_argument("--runtime-dir", default="/tmp/sandgate")
+    ap.add_argument("--buffer-frames", type=int, default=10000)
+    ap.add_argument("--buffer-bytes", type=int, default=64 << 20)
+    ap.add_argument("--kernel-cmd", nargs="+", default=None, help="kernel argv; '-f CONNECTION_FILE' is appended")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are for the kernel
+    try:
+        asyncio.run(main_async(args))
+    except RuntimeError as e:
+        log(f"fatal: {e}")
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The one wire protocol between the gateway and the guest agent.
+
+Both sides import this module: the gateway with pydantic 2 from PyPI, the
+guest with Debian's python3-pydantic (1.10 on bookworm), so it uses only the
+subset of pydantic the two share (plain BaseModel fields, no validators).
+
+A frame is::
+
+    u32 BE header length | u32 BE payload length | header (UTF-8 JSON) | payload
+
+The header is one of the models below, told apart by its ``type`` field. The
+payload carries bulk bytes untouched (kernel message parts, file contents,
+command output), so nothing binary is ever base64-encoded and a kernel
+message crosses without being parsed. Works on any reliable byte stream:
+stdio pipes (gVisor), virtio-serial, vsock or a unix socket. See
+docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+from pydantic import BaseModel
+
+VERSION = 1
+PREFIX = struct.Struct(">II")
+MAX_HEADER = 1 << 20  # a header is metadata only
+MAX_PAYLOAD = 256 << 20  # a kernel message or file bigger than this is refused
+
+KERNEL_CHANNELS = ("shell", "iopub", "stdin", "control")
+
+
+class ProtocolError(Exception):
+    """The stream carried something that is not a valid frame."""
+
+
+class KernelFrame(BaseModel):
+    """One Jupyter message. ``parts`` are the byte lengths of the payload's
+    slices: header, parent_header, metadata, content, then each buffer."""
+
+    type: Literal["kernel"] = "kernel"
+    channel: Literal["shell", "iopub", "stdin", "control"]
+    parts: List[int]
+
+
+class RequestFrame(BaseModel):
+    """Gateway -> agent. ``args`` is validated against the op's model in
+    OP_ARGS by the agent; the payload is op-specific (file bytes to write)."""
+
+    type: Literal["request"] = "request"
+    id: int
+    op: str
+    args: Dict[str, Any] = {}
+
+
+class ResponseFrame(BaseModel):
+    """Agent -> gateway, answering the request with the same id."""
+
+    type: Literal["response"] = "response"
+    id: int
+    ok: bool = True
+    error: Optional[str] = None
+    result: Dict[str, Any] = {}
+
+
+class EventFrame(BaseModel):
+    """Agent -> gateway, unsolicited: ready, kernel_died, kernel_restarted,
+    dropped (messages lost while detached, past the buffer bound)."""
+
+    type: Literal["event"] = "event"
+    event: Literal["ready", "kernel_died", "kernel_restarted", "dropped"]
+    data: Dict[str, Any] = {}
+
+
+Frame = Union[KernelFrame, RequestFrame, ResponseFrame, EventFrame]
+_BY_TYPE = {"kernel": KernelFrame, "request": RequestFrame, "response": ResponseFrame, "event": EventFrame}
+
+
+# Arguments of each request op. Paths are relative to the workspace.
+class PathArgs(BaseModel):
+    path: str = ""
+
+
+class WriteArgs(BaseModel):
+    path: str
+    mode: int = 0o644
+
+
+class ExecArgs(BaseModel):
+    argv: List[str]
+    timeout: float = 60.0
+    cwd: str = ""
+
+
+class NoArgs(BaseModel):
+    pass
+
+
+OP_ARGS = {
+    "ping": NoArgs,  # -> {kernel_alive, pid, buffered, dropped, agent_version}
+    "attach": NoArgs,  # start sending; flush what was buffered
+    "detach": NoArgs,  # stop sending; buffer up to the bound
+    "interrupt": NoArgs,  # SIGINT the kernel
+    "restart": NoArgs,  # kill and start the kernel again, same sandbox
+    "file_read": PathArgs,  # payload of the response = file bytes
+    "file_write": WriteArgs,  # payload of the request = file bytes
+    "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
+    "file_delete": PathArgs,
+    "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr
+}
+
+
+def dump(model: BaseModel) -> Dict[str, Any]:
+    fn = getattr(model, "model_dump", None) or model.dict
+    return fn()
+
+
+def encode(header: BaseModel, payload: bytes = b"") -> bytes:
+    h = json.dumps(dump(header), separators=(",", ":")).encode()
+    if len(h) > MAX_HEADER or len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {len(h)} B, payload {len(payload)} B")
+    return PREFIX.pack(len(h), len(payload)) + h + payload
+
+
+def encode_kernel(channel: str, parts: List[bytes]) -> bytes:
+    return encode(KernelFrame(channel=channel, parts=[len(p) for p in parts]), b"".join(parts))
+
+
+def parse_header(raw: bytes) -> Frame:
+    try:
+        d = json.loads(raw)
+        model = _BY_TYPE[d["type"]]
+        return model(**d)
+    except ProtocolError:
+        raise
+    except Exception as e:  # json, KeyError, TypeError, pydantic ValidationError
+        raise ProtocolError(f"bad frame header: {e}") from None
+
+
+def split_parts(frame: KernelFrame, payload: bytes) -> List[bytes]:
+    if sum(frame.parts) != len(payload) or len(frame.parts) < 4:
+        raise ProtocolError("kernel frame parts do not match its payload")
+    out, pos = [], 0
+    for n in frame.parts:
+        out.append(payload[pos:pos + n])
+        pos += n
+    return out
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Tuple[Frame, bytes]:
+    """Read one frame; raises EOFError at a clean end of stream."""
+    try:
+        prefix = await reader.readexactly(PREFIX.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            raise EOFError from None
+        raise ProtocolError("stream ended inside a frame prefix") from None
+    hlen, plen = PREFIX.unpack(prefix)
+    if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {hlen} B, payload {plen} B")
+    try:
+        raw = await reader.readexactly(hlen)
+        payload = await reader.readexactly(plen) if plen else b""
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("stream ended inside a frame") from None
+    return parse_header(raw), payload
