@@ -133,7 +133,7 @@ class KernelProcess:
         argv = self.argv or [sys.executable, "-m", "sandgate_agent.kernel"]
         self.proc = await asyncio.create_subprocess_exec(
             *argv, "-f", self.conn_file, cwd=self.workspace,
-            stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
             start_new_session=True)
 
     async def send(self, channel: str, parts: list[bytes]) -> None:
@@ -172,7 +172,7 @@ class Agent:
         self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd)
         self.ready = asyncio.Event()
         self.restarting = False
-        self.waiters: dict[str, asyncio.Future] = {}
+        self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
         self.deaths: collections.deque[float] = collections.deque(maxlen=5)
 
     # -- kernel side ----------------------------------------------------
@@ -184,21 +184,25 @@ class Agent:
         return {"pid": self.kernel.proc.pid, "language_info": info.get("language_info", {})}
 
     async def kernel_info(self, deadline: float = 120.0) -> dict:
-        """Ask until the kernel answers: the first requests may go out before
-        it has bound its sockets."""
+        """Ask until the kernel answers on shell *and* its iopub output has
+        reached us: the first requests may go out before the kernel has bound
+        its sockets, and a SUB socket misses what is published before it has
+        connected (ipykernel 6 sends no welcome message)."""
         t_end = time.monotonic() + deadline
         while time.monotonic() < t_end:
             if self.kernel.proc.returncode is not None:
                 raise RuntimeError(f"kernel exited with status {self.kernel.proc.returncode} during start")
             msg_id = OWN.decode() + uuid.uuid4().hex
-            fut = asyncio.get_running_loop().create_future()
-            self.waiters[msg_id] = fut
+            loop = asyncio.get_running_loop()
+            reply, published = loop.create_future(), loop.create_future()
+            self.waiters[msg_id] = (reply, published)
             msg = self.kernel.session.msg("kernel_info_request", {})
             msg["header"]["msg_id"] = msg_id
             parts = self.kernel.session.serialize(msg)[2:]  # drop DELIM, signature
             await self.kernel.send("shell", parts)
             try:
-                return await asyncio.wait_for(fut, 1.0)
+                await asyncio.wait_for(asyncio.gather(reply, published), 1.0)
+                return reply.result()
             except asyncio.TimeoutError:
                 pass
             finally:
@@ -237,10 +241,10 @@ class Agent:
             if len(parts) < 4:
                 continue
             if OWN in parts[1]:  # a reply to (or output of) the agent's own request
-                if channel == "shell":
-                    parent = json.loads(parts[1])
-                    fut = self.waiters.get(parent.get("msg_id"))
-                    if fut and not fut.done():
+                waiter = self.waiters.get(json.loads(parts[1]).get("msg_id"))
+                if waiter:
+                    fut = waiter[0] if channel == "shell" else waiter[1]
+                    if not fut.done():
                         fut.set_result(json.loads(parts[3]))
                 continue
             await self.out.send(P.encode_kernel(channel, parts))

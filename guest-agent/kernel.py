@@ -13,6 +13,18 @@ The transport itself is ipc (unix sockets), chosen by the connection file.
 import sys
 
 
+def _die_with_agent() -> None:
+    """Outside a sandbox (tests, a bare host) nothing else would stop a kernel
+    whose agent was killed; inside one, the agent's end ends the sandbox."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _patch() -> None:
     try:
         from ipykernel import iostream
@@ -34,6 +46,7 @@ def _patch() -> None:
 
 
 def main() -> None:
+    _die_with_agent()
     _patch()
     from ipykernel.kernelapp import launch_new_instance
 

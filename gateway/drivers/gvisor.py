@@ -33,6 +33,7 @@ BASE_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "MPLCONFIGDIR": "/tmp/matplotlib",
     "JUPYTER_RUNTIME_DIR": "/tmp/jupyter",
+    "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # debugpy's import-time warning is noise here
 }
 
 

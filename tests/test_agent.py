@@ -1,0 +1,189 @@
+"""The guest agent on its own: a real agent process with a real ipykernel,
+driven over its framed stream (unix socket transport, so the stream can be
+dropped and re-opened the way a restarting gateway would)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from sandgate.agent_link import AgentError, AgentLink
+from sandgate_agent import protocol as P
+
+
+def execute_parts(code, session="t"):
+    h = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": session, "username": "t",
+         "date": "2026-01-01T00:00:00Z", "version": "5.3"}
+    return h["msg_id"], [json.dumps(h).encode(), b"{}", b"{}", json.dumps({"code": code, "silent": False}).encode()]
+
+
+class Conn:
+    """One connection to the agent's unix socket."""
+
+    def __init__(self, link, queue, events):
+        self.link, self.queue, self.events = link, queue, events
+
+    @classmethod
+    async def open(cls, path):
+        reader, writer = await asyncio.open_unix_connection(path, limit=P.MAX_PAYLOAD)
+        q, ev = asyncio.Queue(), []
+        link = AgentLink(reader, writer, lambda ch, parts: q.put_nowait((ch, parts)), ev.append)
+        await asyncio.wait_for(link.ready, 30)
+        return cls(link, q, ev)
+
+    async def until_idle(self, msg_id, timeout=30):
+        got = []
+        while True:
+            ch, parts = await asyncio.wait_for(self.queue.get(), timeout)
+            got.append((ch, json.loads(parts[0])["msg_type"], json.loads(parts[3])))
+            if ch == "iopub" and msg_id.encode() in parts[1] and b'"idle"' in parts[3]:
+                return got
+
+
+@pytest.fixture
+def agent(tmp_path):
+    sock = str(tmp_path / "agent.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "sandgate_agent.agent", "--transport", f"unix:{sock}",
+                             "--workspace", str(tmp_path / "ws"), "--runtime-dir", str(tmp_path / "rt"),
+                             "--buffer-frames", "50"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    yield sock, tmp_path / "ws"
+    proc.kill()
+    proc.wait()
+
+
+def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
+    sock, _ = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("x = 41")
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        mid, parts = execute_parts("import time; time.sleep(1); print('late')")
+        a.link.send_kernel("shell", parts)
+        await a.link.close()  # the gateway goes away mid-cell
+        await asyncio.sleep(3)
+        b = await Conn.open(sock)
+        got = await b.until_idle(mid)  # buffered while nobody listened
+        assert ("iopub", "stream", {"name": "stdout", "text": "late\n"}) in got
+        mid, parts = execute_parts("x + 1")
+        b.link.send_kernel("shell", parts)
+        got = await b.until_idle(mid)
+        assert any(t == "execute_result" and c["data"]["text/plain"] == "42" for _, t, c in got)
+        assert not [e for e in b.events if e.event == "dropped"]
+
+    asyncio.run(main())
+
+
+def test_buffer_bound_reports_drops(agent):
+    sock, _ = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        # display() sends one message per call: 200 messages, the bound is 50.
+        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(0.5)\n"
+                                   "for i in range(200):\n    display(i)")
+        a.link.send_kernel("shell", parts)
+        await a.link.close()
+        await asyncio.sleep(5)
+        b = await Conn.open(sock)
+        await asyncio.sleep(1)
+        dropped = [e for e in b.events if e.event == "dropped"]
+        assert dropped and dropped[0].data["frames"] > 0
+        assert b.queue.qsize() <= 50  # the bound (--buffer-frames 50)
+
+    asyncio.run(main())
+
+
+def test_files_and_exec(agent):
+    sock, ws = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        blob = bytes(range(256)) * 1000
+        assert (await a.link.request("file_write", {"path": "d/e/blob.bin"}, blob))[0]["size"] == len(blob)
+        assert (ws / "d/e/blob.bin").read_bytes() == blob
+        _, data = await a.link.request("file_read", {"path": "d/e/blob.bin"})
+        assert data == blob
+        entries = (await a.link.request("file_list", {"path": "d/e"}))[0]["entries"]
+        assert [(e["name"], e["type"], e["size"]) for e in entries] == [("blob.bin", "file", len(blob))]
+        for bad in ("../outside", "/../../etc/passwd", "d/../../x"):
+            with pytest.raises(AgentError, match="outside the workspace"):
+                await a.link.request("file_read", {"path": bad})
+        with pytest.raises(AgentError, match="FileNotFoundError"):
+            await a.link.request("file_read", {"path": "missing.txt"})
+        with pytest.raises(AgentError, match="refusing to delete the workspace"):
+            await a.link.request("file_delete", {"path": ""})
+        await a.link.request("file_delete", {"path": "d"})
+        assert not (ws / "d").exists()
+        res, out = await a.link.request("exec", {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]})
+        assert res["exit_code"] == 3 and out[:res["stdout_len"]] == b"out\n" and out[res["stdout_len"]:] == b"err\n"
+        res, _ = await a.link.request("exec", {"argv": ["sleep", "30"], "timeout": 0.5})
+        assert res["timed_out"] is True
+        with pytest.raises(AgentError, match="unknown op"):
+            await a.link.request("format_disk")
+        with pytest.raises(AgentError, match="validation error|field required|Field required"):
+            await a.link.request("exec", {"argv": "not-a-list"})
+        info, _ = await a.link.request("ping")
+        assert info["kernel_alive"] and info["kernel_responding"]
+
+    asyncio.run(main())
+
+
+def test_garbage_on_the_stream_drops_only_that_connection(agent):
+    sock, _ = agent
+
+    async def main():
+        reader, writer = await asyncio.open_unix_connection(sock)
+        await P.read_frame(reader)  # ready
+        writer.write(P.PREFIX.pack(5, 0) + b"notjs")
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 10)  # returns at EOF: the agent hung up on garbage
+        assert reader.at_eof()
+        a = await Conn.open(sock)  # and serves the next connection
+        mid, parts = execute_parts("'alive'")
+        a.link.send_kernel("shell", parts)
+        got = await a.until_idle(mid)
+        assert any(t == "execute_result" for _, t, _ in got)
+
+    asyncio.run(main())
+
+
+def test_frame_codec():
+    frame = P.encode_kernel("iopub", [b"{}", b"{}", b"{}", b'{"a":1}', b"\x00\xff"])
+
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame + P.encode(P.EventFrame(event="ready")))
+        reader.feed_eof()
+        f, payload = await P.read_frame(reader)
+        assert f.channel == "iopub" and P.split_parts(f, payload)[4] == b"\x00\xff"
+        f, _ = await P.read_frame(reader)
+        assert f.event == "ready"
+        with pytest.raises(EOFError):
+            await P.read_frame(reader)
+
+    asyncio.run(main())
+    for bad in (b'{"type":"nope"}', b"[]", b"{", b'{"type":"kernel","channel":"bogus","parts":[]}'):
+        with pytest.raises(P.ProtocolError):
+            P.parse_header(bad)
+    with pytest.raises(P.ProtocolError, match="too large"):
+        P.encode(P.EventFrame(event="ready"), b"x" * (P.MAX_PAYLOAD + 1))
+
+    async def oversized():
+        r = asyncio.StreamReader()
+        r.feed_data(P.PREFIX.pack(P.MAX_HEADER + 1, 0))
+        await P.read_frame(r)
+
+    with pytest.raises(P.ProtocolError, match="too large"):
+        asyncio.run(oversized())

@@ -1,0 +1,181 @@
+"""Kernel websocket: both wire formats, rich output, stdin, interrupt,
+restart, crashes, bad frames and reconnects, all on real gVisor kernels."""
+
+import base64
+import json
+import threading
+import time
+
+import pytest
+import websocket
+
+from conftest import ANSI, wait_for
+
+
+@pytest.mark.parametrize("v1", [False, True], ids=["legacy", "v1"])
+def test_execute_both_protocols(gateway, kernel, v1):
+    c = gateway.connect(kernel, v1=v1)
+    if v1:
+        assert c.ws.subprotocol == "v1.kernel.websocket.jupyter.org"
+    out = c.execute("1+1")
+    assert out["results"] == [{"text/plain": "2"}]
+    assert out["reply"]["status"] == "ok"
+    kinds = [m["msg_type"] for m in out["msgs"]]
+    assert kinds[0] == "status" and "execute_input" in kinds and "execute_reply" in kinds
+    c.close()
+
+
+def test_streams_errors_and_state(gateway, kernel):
+    c = gateway.connect(kernel)
+    out = c.execute("import sys\nx = 41\nprint('out'); print('err', file=sys.stderr)")
+    assert out["stdout"] == "out\n" and out["stderr"] == "err\n"
+    assert c.execute("x + 1")["results"][0]["text/plain"] == "42"
+    out = c.execute("def f():\n    raise ValueError('boom')\nf()")
+    assert out["reply"]["status"] == "error"
+    err = out["errors"][0]
+    assert err["ename"] == "ValueError" and err["evalue"] == "boom"
+    assert any("raise ValueError" in ANSI.sub("", line) for line in err["traceback"])
+    c.close()
+
+
+def test_matplotlib_png(gateway, kernel):
+    c = gateway.connect(kernel)
+    out = c.execute("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.show()")
+    png = [d for d in out["displays"] if "image/png" in d]
+    assert png, out
+    assert base64.b64decode(png[0]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    out = c.execute("import numpy as np, pandas as pd\npd.DataFrame({'a': np.arange(3)})")
+    assert "text/html" in out["results"][0]
+    c.close()
+
+
+def test_input_over_stdin(gateway, kernel):
+    c = gateway.connect(kernel)
+    out = c.execute("name = input('who? ')\nprint('hello', name)", stdin_reply="sandgate")
+    assert "hello sandgate" in out["stdout"]
+    assert any(m["msg_type"] == "input_request" and m["content"]["prompt"] == "who? " for m in out["msgs"])
+    c.close()
+
+
+def test_interrupt_infinite_loop(gateway, kernel):
+    c = gateway.connect(kernel)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(c.execute("while True:\n    pass", timeout=60)))
+    t.start()
+    wait_for(lambda: gateway.request("GET", f"/api/kernels/{kernel}").json()["execution_state"] == "busy")
+    time.sleep(0.5)
+    assert gateway.request("POST", f"/api/kernels/{kernel}/interrupt", {}).status == 204
+    t.join(60)
+    assert not t.is_alive()
+    assert result["reply"]["status"] == "error" and result["errors"][0]["ename"] == "KeyboardInterrupt"
+    assert c.execute("'still alive'")["results"][0]["text/plain"] == "'still alive'"
+    c.close()
+
+
+def test_restart_clears_state(gateway):
+    kid = gateway.start_kernel()
+    try:
+        c = gateway.connect(kid)
+        c.execute("y = 5")
+        c.execute("open('kept.txt', 'w').write('files survive restarts')")
+        assert gateway.request("POST", f"/api/kernels/{kid}/restart", {}).status == 200
+        out = c.execute("y")
+        assert out["errors"][0]["ename"] == "NameError"
+        assert "files survive" in c.execute("print(open('kept.txt').read())")["stdout"]
+        c.close()
+    finally:
+        gateway.request("DELETE", f"/api/kernels/{kid}")
+
+
+def test_garbage_frames_are_ignored(gateway, kernel):
+    c = gateway.connect(kernel)
+    c.ws.send("not json")
+    c.ws.send(json.dumps({"foo": 1}))
+    c.ws.send(json.dumps({"channel": "nochan", "header": {"msg_id": "1", "msg_type": "x"}, "content": {}}))
+    c.ws.send_binary(b"\x00\x01garbage")
+    # The same connection still works, and the gateway said why it ignored them.
+    assert c.execute("3*3")["results"][0]["text/plain"] == "9"
+    log = gateway.log_text()
+    assert "ignoring a bad websocket frame: not a JSON Jupyter message" in log
+    assert "no such channel: 'nochan'" in log
+    c.close()
+    # A v1 client sending text is told off the same way.
+    v = gateway.connect(kernel, v1=True)
+    v.ws.send("text frame")
+    assert v.execute("4*4")["results"][0]["text/plain"] == "16"
+    assert "the v1 protocol carries binary frames only" in gateway.log_text()
+    v.close()
+
+
+def test_oversized_message_closes_that_socket_only(gateway, kernel):
+    c = gateway.connect(kernel)
+    try:
+        c.ws.send("x" * (65 << 20))  # over the 64 MB bound
+    except (BrokenPipeError, ConnectionResetError, websocket.WebSocketConnectionClosedException):
+        pass  # the gateway may close before the whole frame is written
+    else:
+        opcode, data = c.ws.recv_data(control_frame=True)
+        while opcode != websocket.ABNF.OPCODE_CLOSE:
+            opcode, data = c.ws.recv_data(control_frame=True)
+        assert int.from_bytes(data[:2], "big") == 1009  # "message too big"
+    fresh = gateway.connect(kernel)
+    assert fresh.execute("'fine'")["results"][0]["text/plain"] == "'fine'"
+    fresh.close()
+
+
+def test_kernel_crash_is_answered_and_recovered(gateway):
+    kid = gateway.start_kernel()
+    other = gateway.start_kernel()
+    try:
+        c = gateway.connect(kid)
+        c.execute("z = 1")
+        mark = len(c.seen)
+        out = c.execute("import os; os._exit(1)")
+        # No client is left waiting: the cell gets an error reply.
+        assert out["reply"]["status"] == "error" and out["reply"]["ename"] == "DeadKernelError"
+        # Clients were told the kernel was restarting, and the kernel comes back fresh.
+        def states():
+            return [m["content"]["execution_state"] for m in c.seen[mark:] if m["msg_type"] == "status"
+                    and not m["parent_header"]]
+        while "starting" not in states():
+            c.recv(timeout=60)
+        assert states()[0] == "restarting" and states()[-1] == "starting"
+        assert c.execute("z")["errors"][0]["ename"] == "NameError"
+        assert c.execute("2+2")["results"][0]["text/plain"] == "4"
+        assert "ipykernel exited with status 1; restarting it" in gateway.log_text()
+        # The other kernel never noticed.
+        o = gateway.connect(other)
+        assert o.execute("'other'")["results"][0]["text/plain"] == "'other'"
+        c.close()
+        o.close()
+    finally:
+        gateway.request("DELETE", f"/api/kernels/{kid}")
+        gateway.request("DELETE", f"/api/kernels/{other}")
+
+
+def test_output_while_disconnected_is_replayed(gateway, kernel):
+    c = gateway.connect(kernel)
+    c.send("execute_request", {"code": "import time\ntime.sleep(2)\nprint('while you were away')", "silent": False})
+    c.close()
+    time.sleep(4)
+    assert gateway.request("GET", f"/api/kernels/{kernel}").json()["connections"] == 0
+    c2 = gateway.connect(kernel, session=c.session)
+    seen = []
+    while not any(m["msg_type"] == "stream" for m in seen):
+        seen.append(c2.recv(timeout=30))
+    assert [m for m in seen if m["msg_type"] == "stream"][0]["content"]["text"] == "while you were away\n"
+    c2.close()
+
+
+def test_websocket_errors(gateway, kernel):
+    import uuid
+
+    with pytest.raises(websocket.WebSocketBadStatusException) as e:
+        websocket.create_connection(f"ws://127.0.0.1:{gateway.port}/api/kernels/{uuid.uuid4()}/channels?token={gateway.token}")
+    assert e.value.status_code == 404
+    with pytest.raises(websocket.WebSocketBadStatusException) as e:
+        websocket.create_connection(f"ws://127.0.0.1:{gateway.port}/api/kernels/{kernel}/channels")
+    assert e.value.status_code == 401
+    ws = websocket.create_connection(f"ws://127.0.0.1:{gateway.port}/api/kernels/{kernel}/channels?token={gateway.token}")
+    assert gateway.request("GET", f"/api/kernels/{kernel}").json()["connections"] >= 1
+    ws.close()
