@@ -270,8 +270,9 @@ class Target:
 class DirectTarget(Target):
     name = "jupyter-client"
 
-    def __init__(self):
+    def __init__(self, logdir: Path):
         self.kernels: List[ZMQKernel] = []
+        self.log_path = logdir / f"{self.name}.log"
 
     def start_kernel(self) -> ZMQKernel:
         from jupyter_client.manager import KernelManager
@@ -281,7 +282,8 @@ class DirectTarget(Target):
         km = KernelManager(kernel_name="python3")
         k = ZMQKernel(km, None)
         self.kernels.append(k)
-        km.start_kernel()
+        with open(self.log_path, "a") as log:  # the kernel's own output, kept out of the progress lines
+            km.start_kernel(stdout=log, stderr=log)
         k.kc = km.client()
         k.kc.start_channels()
         k.kc.wait_for_ready(timeout=TIMEOUT)
@@ -522,8 +524,8 @@ def preflight(home: Path) -> None:
     if not runsc_path():
         raise BenchError("runsc not found: install gVisor (apt-get install runsc), then `sandgate doctor`")
     if not images.is_built(home):
-        raise BenchError(f"the sandbox image is not built in {home}: run `sandgate image build`"
-                         + (f" --home {home}" if home != _default_home() else ""))
+        flag = f" --home {home}" if home != _default_home() else ""
+        raise BenchError(f"the sandbox image is not built in {home}: run `sandgate image build{flag}`")
 
 
 def _importable(module: str) -> bool:
@@ -656,7 +658,7 @@ def run(args) -> int:
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-"))
-    targets: List[Target] = [DirectTarget(), KernelGatewayTarget(logdir), SandgateTarget(logdir, home)]
+    targets: List[Target] = [DirectTarget(logdir), KernelGatewayTarget(logdir), SandgateTarget(logdir, home)]
     results = {t.name: {"start_s": [], "memory": [], "roundtrip_s": [], "kernel": {}} for t in targets}
     live: Dict[str, object] = {}
     failed = None

@@ -25,6 +25,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 import uuid
 
@@ -50,7 +51,7 @@ class Outbox:
     """Frames to the gateway: written when attached, buffered when not."""
 
     def __init__(self, max_frames: int, max_bytes: int):
-        self.writer: asyncio.StreamWriter | None = None
+        self.writer = None  # asyncio.StreamWriter or BlockingWriter
         self.buffer: collections.deque[bytes] = collections.deque()
         self.buffered_bytes = 0
         self.max_frames, self.max_bytes = max_frames, max_bytes
@@ -59,6 +60,8 @@ class Outbox:
 
     async def send(self, data: bytes) -> None:
         w = self.writer
+        if w is not None and getattr(w, "is_closing", lambda: False)():
+            w = self.writer = None  # asyncio swallows write errors on a dead socket
         if w is not None:
             try:
                 w.write(data)
@@ -116,7 +119,12 @@ class KernelProcess:
         return f"ipc://{os.path.join(self.dir, 'k')}-{IPC_PORTS[name]}"
 
     def connect(self) -> None:
-        ident = self.session.bsession
+        """(Re)open the agent's sockets. After a checkpoint is restored the old
+        connections are dead but look alive, so new ones are made, under a
+        new identity: the kernel's ROUTER refuses a second peer with the old one."""
+        for s in self.sockets.values():
+            s.close(linger=0)
+        ident = uuid.uuid4().hex.encode()
         for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER), ("iopub", zmq.SUB)):
             s = self.ctx.socket(kind)
             s.linger = 0
@@ -174,6 +182,13 @@ class Agent:
         self.restarting = False
         self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
         self.deaths: collections.deque[float] = collections.deque(maxlen=5)
+        self.pumps: list[asyncio.Future] = []
+
+    def connect_kernel(self) -> None:
+        for t in self.pumps:
+            t.cancel()
+        self.kernel.connect()
+        self.pumps = [asyncio.ensure_future(self.pump(ch)) for ch in ("shell", "control", "stdin", "iopub")]
 
     # -- kernel side ----------------------------------------------------
     async def start_kernel(self) -> dict:
@@ -303,6 +318,14 @@ class Agent:
         self.out.detach()
         return {}, b""
 
+    async def op_reconnect(self, a, _):
+        """Sent by the gateway after restoring a checkpoint."""
+        self.ready.clear()
+        self.connect_kernel()
+        info = await self.kernel_info()
+        self.ready.set()
+        return info, b""
+
     async def op_interrupt(self, a, _):
         self.kernel.interrupt()
         return {}, b""
@@ -367,23 +390,56 @@ class Agent:
         return {"exit_code": proc.returncode, "timed_out": timed_out, "stdout_len": len(out)}, out + err
 
 
+class BlockingWriter:
+    """Blocking writes to a pipe, with the StreamWriter calls Outbox uses.
+
+    Used for stdio instead of asyncio's pipe transports: a gVisor sandbox
+    restored from a checkpoint gets new host pipes, and this runsc does not
+    re-arm readiness notifications for them, so an epoll-driven stream
+    stalls after the first read. Plain blocking reads and writes work."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        os.set_blocking(fd, True)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 async def stdio_streams():
     loop = asyncio.get_running_loop()
     # Keep the real stdout for frames only; anything else printed goes to stderr.
     out_fd = os.dup(1)
     os.dup2(2, 1)
     reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(0, "rb", 0))
-    transport, proto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(out_fd, "wb", 0))
-    writer = asyncio.StreamWriter(transport, proto, reader, loop)
-    return reader, writer
+    os.set_blocking(0, True)
+
+    def pump_stdin() -> None:  # see BlockingWriter for why this is a thread
+        while True:
+            try:
+                data = os.read(0, 1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                loop.call_soon_threadsafe(reader.feed_eof)
+                return
+            loop.call_soon_threadsafe(reader.feed_data, data)
+
+    threading.Thread(target=pump_stdin, name="stdin", daemon=True).start()
+    return reader, BlockingWriter(out_fd)
 
 
 async def main_async(args: argparse.Namespace) -> None:
     agent = Agent(args)
-    agent.kernel.connect()
-    for ch in ("shell", "control", "stdin", "iopub"):
-        asyncio.ensure_future(agent.pump(ch))
+    agent.connect_kernel()
     info = await agent.start_kernel()
     ready = P.encode(P.EventFrame(event="ready", data=info))
     kind, _, where = args.transport.partition(":")

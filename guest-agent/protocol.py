@@ -103,6 +103,7 @@ OP_ARGS = {
     "ping": NoArgs,  # -> {kernel_alive, pid, buffered, dropped, agent_version}
     "attach": NoArgs,  # start sending; flush what was buffered
     "detach": NoArgs,  # stop sending; buffer up to the bound
+    "reconnect": NoArgs,  # after a restore: new kernel sockets, then kernel_info
     "interrupt": NoArgs,  # SIGINT the kernel
     "restart": NoArgs,  # kill and start the kernel again, same sandbox
     "file_read": PathArgs,  # payload of the response = file bytes

@@ -71,6 +71,7 @@ def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
         await a.until_idle(mid)
         mid, parts = execute_parts("import time; time.sleep(1); print('late')")
         a.link.send_kernel("shell", parts)
+        await a.link.writer.drain()
         await a.link.close()  # the gateway goes away mid-cell
         await asyncio.sleep(3)
         b = await Conn.open(sock)
@@ -91,9 +92,10 @@ def test_buffer_bound_reports_drops(agent):
     async def main():
         a = await Conn.open(sock)
         # display() sends one message per call: 200 messages, the bound is 50.
-        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(0.5)\n"
+        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(2)\n"
                                    "for i in range(200):\n    display(i)")
         a.link.send_kernel("shell", parts)
+        await a.link.writer.drain()
         await a.link.close()
         await asyncio.sleep(5)
         b = await Conn.open(sock)

@@ -94,8 +94,8 @@ class APIHandler(AuthMixin, web.RequestHandler):
     def log_exception(self, typ, value, tb):
         if isinstance(value, web.HTTPError):
             if value.status_code >= 500 or value.status_code == 403:
-                log.warning("%s %s: %d %s", self.request.method, self.request.path, value.status_code,
-                            value.log_message or "")
+                message = value.log_message % value.args if value.log_message and value.args else value.log_message
+                log.warning("%s %s: %d %s", self.request.method, self.request.path, value.status_code, message or "")
             return
         super().log_exception(typ, value, tb)
 

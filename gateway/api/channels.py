@@ -56,6 +56,8 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         return wire.V1 if wire.V1 in subprotocols else None
 
     def open(self, kernel_id):
+        # Without it, Nagle and delayed ACKs add tens of ms to every small reply.
+        self.set_nodelay(True)
         self.v1 = self.selected_subprotocol == wire.V1
         self.kernel.attach(self)
         if self.kernel.execution_state == "dead":
