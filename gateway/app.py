@@ -6,7 +6,7 @@ import logging
 
 from tornado import web
 
-from .api import channels, jupyter
+from .api import channels, jupyter, sandboxes
 from .config import Settings
 from .drivers import DRIVERS
 from .kernelspecs import KernelSpecs
@@ -30,7 +30,7 @@ def make_app(settings: Settings, manager: KernelManager | None = None) -> web.Ap
     if manager is None:
         drivers = available_drivers(settings)
         manager = KernelManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver))
-    routes = jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
+    routes = sandboxes.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
     return web.Application(
         routes,
         default_handler_class=jupyter.NotFoundHandler,

@@ -15,14 +15,18 @@ import collections
 import datetime as dt
 import json
 import logging
+import os
 import shutil
+import time
 import uuid
+from pathlib import Path
 from typing import Dict, List, Optional, Protocol
 
 from sandgate_agent import protocol as P
 from sandgate_images import rootfs as images
 
 from .agent_link import AgentError, AgentLink
+from .checkpoints import Checkpoint, CheckpointStore, dir_size
 from .config import Settings
 from .drivers.base import Driver, Sandbox, SandboxError, SandboxSpec
 from .kernelspecs import KernelSpecs
@@ -63,6 +67,28 @@ def status_message(state: str, parent: Optional[dict] = None) -> List[bytes]:
             json.dumps({"execution_state": state}).encode()]
 
 
+class Collector:
+    """An internal listener: gathers one cell's output for the sandbox API."""
+
+    def __init__(self, session: str):
+        self.session_ids = {session}
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def deliver(self, channel: str, parts: List[bytes]) -> None:
+        self.queue.put_nowait((channel, parts))
+
+
+def output_of(msg_type: str, content: dict) -> Optional[dict]:
+    if msg_type == "stream":
+        return {"type": "stream", "name": content.get("name"), "text": content.get("text", "")}
+    if msg_type in ("execute_result", "display_data"):
+        return {"type": msg_type, "data": content.get("data", {}), "metadata": content.get("metadata", {})}
+    if msg_type == "error":
+        return {"type": "error", "ename": content.get("ename"), "evalue": content.get("evalue"),
+                "traceback": content.get("traceback", [])}
+    return None
+
+
 class Kernel:
     def __init__(self, manager: "KernelManager", kernel_id: str, name: str, driver: str, env: Dict[str, str]):
         self.manager = manager
@@ -76,6 +102,15 @@ class Kernel:
         self.replay: collections.deque = collections.deque()
         self.replay_dropped = 0
         self.pending: Dict[str, dict] = {}  # execute_request headers awaiting their reply
+        self.lock = asyncio.Lock()  # one of checkpoint, pause, resume, restart at a time
+        self.head: Optional[str] = None  # newest checkpoint in this sandbox's line
+        self.origin: Optional[str] = None  # the checkpoint this sandbox was forked from
+        self.paused: Optional[Path] = None  # its running-state image while paused
+        self.held: List[tuple] = []  # client messages that arrived while paused
+        self.created = utcnow()
+        self.labels: Dict[str, str] = {}
+        self.limits = manager.settings.limits
+        self.expires: Optional[dt.datetime] = None
         self._watch: Optional[asyncio.Task] = None
 
     @property
@@ -85,32 +120,186 @@ class Kernel:
     def model(self) -> dict:
         m = {"id": self.id, "name": self.name, "last_activity": iso(self.last_activity),
              "execution_state": self.execution_state, "connections": len(self.listeners),
-             "driver": self.driver}
+             "driver": self.driver, "created": iso(self.created)}
+        if self.expires:
+            m["expires"] = iso(self.expires)
         if self.failure:
             m["reason"] = self.failure
         return m
 
     # -- sandbox lifecycle ---------------------------------------------
-    async def boot(self) -> None:
+    def new_spec(self) -> SandboxSpec:
         s = self.manager.settings
-        spec = SandboxSpec(id=f"sg-{self.id}-{uuid.uuid4().hex[:6]}", rootfs=self.manager.rootfs(),
+        return SandboxSpec(id=f"sg-{self.id}-{uuid.uuid4().hex[:6]}", rootfs=self.manager.rootfs(),
                            agent_dir=self.manager.agent_dir(), workspace=self.workspace,
-                           state_dir=s.home / "sandboxes" / self.id, env=self.env, limits=s.limits)
+                           state_dir=s.home / "sandboxes" / self.id, env=self.env, limits=self.limits)
+
+    async def boot(self, restore_from: Optional[Path] = None) -> None:
+        """Start the sandbox, cold or from a checkpoint image."""
+        s = self.manager.settings
+        spec = self.new_spec()
         self.execution_state, self.failure = "starting", None
-        sandbox = await self.manager.drivers[self.driver].create(spec)
+        driver = self.manager.drivers[self.driver]
+        sandbox = await (driver.restore(spec, restore_from) if restore_from else driver.create(spec))
         self.sandbox = sandbox
         self.link = AgentLink(sandbox.reader, sandbox.writer, self._on_kernel, self._on_event)
         exited = asyncio.ensure_future(sandbox.wait())
-        done, _ = await asyncio.wait({self.link.ready, exited}, timeout=s.kernel_start_timeout,
+        # A restored agent said "ready" long ago; it is asked to reconnect instead.
+        ready = asyncio.ensure_future(self.link.request("reconnect", timeout=s.kernel_start_timeout)
+                                      if restore_from else self.link.ready)
+        done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
-        if self.link.ready not in done or self.link.ready.exception():
+        if ready not in done or ready.exception():
             await asyncio.sleep(0.2)  # let the last log lines arrive
-            why = sandbox.failure() if exited.done() else f"agent not ready within {s.kernel_start_timeout:g} s"
+            if exited.done():
+                why = sandbox.failure()
+            elif ready.done():
+                why = str(ready.exception())
+            else:
+                why = f"agent not ready within {s.kernel_start_timeout:g} s"
+            ready.cancel()
             exited.cancel()
             await self.teardown()
-            raise SandboxError(f"kernel {self.id} failed to start: {why}")
+            raise SandboxError(f"kernel {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         self.execution_state = "idle"
         self._watch = asyncio.ensure_future(self._watch_sandbox(exited))
+        held, self.held = self.held, []
+        for channel, parts in held:
+            self.link.send_kernel(channel, parts)
+
+    async def _stop_into(self, image_dir: Path) -> None:
+        """Checkpoint the running sandbox into ``image_dir``; it is stopped after.
+        If the driver fails first, the sandbox keeps running untouched."""
+        if self._watch:
+            self._watch.cancel()
+        try:
+            await self.manager.drivers[self.driver].checkpoint(self.sandbox, image_dir)
+        except BaseException:
+            if self.sandbox and self.sandbox.proc.returncode is None:
+                self._watch = asyncio.ensure_future(self._watch_sandbox(asyncio.ensure_future(self.sandbox.wait())))
+            raise
+        old = self.link
+        try:  # frames the agent wrote before it froze are still in the pipe
+            await asyncio.wait_for(asyncio.shield(old.closed), 10)
+        except asyncio.TimeoutError:
+            pass
+        await old.close()
+        self.link = None
+        await self.sandbox.destroy()
+        self.sandbox = None
+
+    async def checkpoint(self, name: str = "") -> Checkpoint:
+        async with self.lock:
+            await self._ensure_running()
+            store = self.manager.checkpoints
+            cid, _ = store.new_dir()
+            t0 = time.monotonic()
+            try:
+                await self._stop_into(store.state_dir(cid))
+            except BaseException:
+                store.discard(cid)
+                raise
+            image = store.state_dir(cid)
+            try:
+                files, new = store.snapshot(self.workspace)  # while stopped: same instant as memory
+                cp = Checkpoint(id=cid, sandbox=self.id, parent=self.head, created=time.time(), name=name,
+                                state_bytes=dir_size(image), files=files,
+                                files_bytes=sum(f.size for f in files.values()), new_bytes=new)
+                store.commit(cp)  # from here on it is listed, and whole
+            except BaseException:
+                await self.boot(restore_from=image)  # the sandbox carries on regardless
+                store.discard(cid)
+                raise
+            await self.boot(restore_from=image)
+            self.head = cid
+            log.info("kernel %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
+                     time.monotonic() - t0, cp.state_bytes, new)
+            return cp
+
+    async def pause(self) -> None:
+        async with self.lock:
+            if self.paused:
+                return
+            await self._ensure_running()
+            image = self.manager.settings.home / "paused" / self.id
+            shutil.rmtree(image, ignore_errors=True)
+            await self._stop_into(image)
+            self.paused = image
+            self.execution_state = "paused"
+            log.info("kernel %s paused (state on disk, %d B)", self.id, dir_size(image))
+
+    async def resume(self) -> None:
+        async with self.lock:
+            await self._resume()
+
+    async def _resume(self) -> None:
+        if not self.paused:
+            return
+        image = self.paused
+        await self.boot(restore_from=image)
+        self.paused = None
+        shutil.rmtree(image, ignore_errors=True)
+        log.info("kernel %s resumed", self.id)
+
+    async def execute(self, code: str, timeout: float) -> dict:
+        """Run one cell and return its outputs; on timeout the cell is interrupted."""
+        if self.paused:
+            await self.resume()
+        session, msg_id = uuid.uuid4().hex, uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": "execute_request", "session": session, "username": "sandgate",
+                  "date": iso(utcnow()), "version": "5.3"}
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": True}
+        parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        collector = Collector(session)
+        self.listeners.append(collector)  # no replay: that belongs to websocket clients
+        outputs, reply, idle, status = [], None, False, "ok"
+        try:
+            self.send("shell", parts, header)
+            deadline = time.monotonic() + timeout
+            while not (reply and idle):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    status = "timeout"
+                    await self.manager.interrupt(self.id)
+                    break
+                try:
+                    channel, got = await asyncio.wait_for(collector.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    continue
+                if msg_id.encode() not in got[1]:
+                    continue
+                h, c = json.loads(got[0]), json.loads(got[3])
+                if channel == "shell" and h["msg_type"] == "execute_reply":
+                    reply = c
+                elif h["msg_type"] == "status":
+                    idle = c.get("execution_state") == "idle"
+                else:
+                    out = output_of(h["msg_type"], c)
+                    if out:
+                        outputs.append(out)
+        finally:
+            self.detach(collector)
+        if reply and status == "ok":
+            status = reply.get("status", "ok")
+        error = next((o for o in outputs if o["type"] == "error"), None)
+        if error is None and reply and reply.get("status") == "error":
+            error = {"type": "error", "ename": reply.get("ename"), "evalue": reply.get("evalue"),
+                     "traceback": reply.get("traceback", [])}
+        return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
+                "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
+                "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
+                "error": error}
+
+    async def ensure_running(self) -> None:
+        async with self.lock:
+            await self._ensure_running()
+
+    async def _ensure_running(self) -> None:
+        if self.paused:
+            await self._resume()
+        if self.execution_state == "dead" or not self.link:
+            raise AgentError(f"kernel {self.id} is dead: {self.failure or 'no sandbox'}")
 
     async def _watch_sandbox(self, exited: asyncio.Future) -> None:
         await exited
@@ -227,6 +416,14 @@ class Kernel:
             self.listeners.remove(conn)
 
     def send(self, channel: str, parts: List[bytes], header: dict) -> None:
+        if self.paused or self.lock.locked() and not self.link:
+            # Paused, or mid-checkpoint: hold the message; a paused kernel wakes up for it.
+            self.held.append((channel, parts))
+            if header.get("msg_type") == "execute_request":
+                self.pending[header["msg_id"]] = header
+            if self.paused:
+                asyncio.ensure_future(self.resume())
+            return
         if self.execution_state == "dead" or not self.link:
             raise AgentError(f"kernel {self.id} is dead: {self.failure or 'no sandbox'}")
         self.last_activity = utcnow()
@@ -247,6 +444,8 @@ class KernelManager:
         self._rootfs = None
         self._agent_dir = None
         self._culler: Optional[asyncio.Task] = None
+        self.checkpoints = CheckpointStore(settings.home / "checkpoints")
+        self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
 
     def rootfs(self):
         if self._rootfs is None:
@@ -274,14 +473,33 @@ class KernelManager:
         allow = set(self.settings.env_allow)
         return {k: v for k, v in requested.items() if k.startswith("KERNEL_") or k in allow}
 
-    async def start(self, name: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Kernel:
+    async def start(self, name: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+                    checkpoint: Optional[str] = None, labels: Optional[Dict[str, str]] = None,
+                    limits=None, ttl: Optional[float] = None) -> Kernel:
+        """Start a kernel cold, or from a checkpoint (files and running state)."""
+        cp = self.checkpoints.get(checkpoint) if checkpoint else None  # KeyError for an unknown one
+        if cp:
+            src = self.kernels.get(cp.sandbox)
+            name = name or (src.name if src else None)
         spec = self.specs.get(name or self.specs.default)  # KeyError for an unknown name
         if len(self.kernels) + self._starting >= self.settings.max_kernels:
             raise LimitReached(f"Maximum number of kernels ({self.settings.max_kernels}) reached")
         kernel = Kernel(self, str(uuid.uuid4()), spec.name, spec.driver, self.kernel_env(env or {}))
+        kernel.labels = labels or {}
+        if limits is not None:
+            kernel.limits = limits
+        if ttl:
+            kernel.expires = utcnow() + dt.timedelta(seconds=ttl)
         self._starting += 1
         try:
-            await kernel.boot()
+            if cp:
+                if src:
+                    kernel.env = src.env  # a fork keeps its parent's environment
+                kernel.origin = kernel.head = cp.id
+                self.checkpoints.materialize(cp, kernel.workspace, uid=1000 if os.geteuid() == 0 else None)
+                await kernel.boot(restore_from=self.checkpoints.state_dir(cp.id))
+            else:
+                await kernel.boot()
         except BaseException:
             shutil.rmtree(kernel.workspace, ignore_errors=True)
             raise
@@ -289,8 +507,23 @@ class KernelManager:
             self._starting -= 1
         self.kernels[kernel.id] = kernel
         await self.store.put(kernel.id, {"driver": kernel.driver, "sandbox": kernel.sandbox.id})
-        log.info("kernel %s started (%s, sandbox %s)", kernel.id, kernel.driver, kernel.sandbox.id)
+        log.info("kernel %s started (%s, sandbox %s%s)", kernel.id, kernel.driver, kernel.sandbox.id,
+                 f", from checkpoint {cp.id}" if cp else "")
         return kernel
+
+    async def fork(self, kernel_id: str, checkpoint: Optional[str] = None) -> Kernel:
+        """A second running copy: from a named checkpoint, or from now."""
+        source = self.get(kernel_id)
+        if checkpoint is None:
+            checkpoint = (await source.checkpoint("fork")).id
+        elif self.checkpoints.get(checkpoint).sandbox != kernel_id:
+            raise KeyError(checkpoint)  # forking through someone else's sandbox id is a mistake
+        return await self.start(source.name, checkpoint=checkpoint)
+
+    def gc(self) -> int:
+        live = set(self.kernels)
+        origins = {k.origin for k in self.kernels.values() if k.origin}
+        return self.checkpoints.gc(live, origins)
 
     async def shutdown(self, kernel_id: str) -> None:
         kernel = self.kernels.pop(kernel_id, None)
@@ -299,10 +532,14 @@ class KernelManager:
         await self.store.delete(kernel_id)
         await kernel.teardown()
         shutil.rmtree(kernel.workspace, ignore_errors=True)
+        if kernel.paused:
+            shutil.rmtree(kernel.paused, ignore_errors=True)
         log.info("kernel %s shut down", kernel_id)
 
     async def interrupt(self, kernel_id: str) -> None:
         kernel = self.get(kernel_id)
+        if kernel.paused:
+            return  # a paused kernel runs nothing
         if not kernel.link or kernel.execution_state == "dead":
             raise AgentError(f"kernel {kernel_id} is dead: {kernel.failure}")
         await kernel.link.request("interrupt", timeout=10)
@@ -311,6 +548,13 @@ class KernelManager:
         """Restart ipykernel in its sandbox; a dead sandbox is created anew
         over the same workspace, so files survive either way."""
         kernel = self.get(kernel_id)
+        async with kernel.lock:
+            return await self._restart(kernel)
+
+    async def _restart(self, kernel: Kernel) -> Kernel:
+        kernel_id = kernel.id
+        if kernel.paused:
+            await kernel._resume()
         if kernel.link and kernel.execution_state != "dead" and not kernel.link.closed.done():
             kernel.execution_state = "restarting"
             kernel._broadcast("iopub", status_message("restarting"))
@@ -330,15 +574,31 @@ class KernelManager:
         await asyncio.gather(*(self.shutdown(k) for k in list(self.kernels)), return_exceptions=True)
 
     def start_culler(self) -> None:
-        if self.settings.cull_idle_timeout > 0 and self._culler is None:
+        s = self.settings
+        if self._culler is None:
             self._culler = asyncio.ensure_future(self._cull_loop())
 
     async def _cull_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.cull_interval)
+            await asyncio.sleep(min(self.settings.cull_interval, 10))  # ttl needs a finer clock
             now = utcnow()
             for k in list(self.kernels.values()):
+                if k.expires and now > k.expires:
+                    log.info("deleting sandbox %s: its ttl has passed", k.id)
+                    await self.shutdown(k.id)
+                    continue
                 idle = (now - k.last_activity).total_seconds()
+                pause_after = self.settings.pause_idle_timeout
+                if pause_after and not k.paused and k.execution_state == "idle" and idle > pause_after \
+                        and not k.lock.locked():
+                    log.info("pausing kernel %s: idle %.0f s", k.id, idle)
+                    try:
+                        await k.pause()
+                    except Exception as e:
+                        log.warning("kernel %s: automatic pause failed: %s", k.id, e)
+                    continue
+                if not self.settings.cull_idle_timeout:
+                    continue
                 if not k.listeners and k.execution_state != "busy" and idle > self.settings.cull_idle_timeout:
                     log.info("culling kernel %s: idle %.0f s with no connection", k.id, idle)
                     try:

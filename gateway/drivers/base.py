@@ -72,3 +72,13 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """Start a sandbox whose agent is ready to read frames."""
+
+    async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
+        """Save the running state of ``sandbox`` into ``image_dir`` and stop it.
+        The workspace is not part of the image: the caller snapshots it while
+        the sandbox is stopped, so memory and files are of the same instant."""
+        raise SandboxError(f"the {self.name} driver cannot checkpoint")
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Sandbox:
+        """Start a new sandbox running from a checkpoint; any number of times."""
+        raise SandboxError(f"the {self.name} driver cannot restore")

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .base import Driver, Sandbox, SandboxError, SandboxSpec
@@ -88,7 +89,7 @@ class GVisorSandbox(Sandbox):
         self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._stderr_task: Optional[asyncio.Task] = None
 
-    async def start(self) -> None:
+    async def start(self, restore_from: Optional[Path] = None) -> None:
         bundle = self.spec.state_dir / "bundle"
         bundle.mkdir(parents=True, exist_ok=True)
         self.spec.workspace.mkdir(parents=True, exist_ok=True)
@@ -96,8 +97,9 @@ class GVisorSandbox(Sandbox):
         argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
                 "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate"]
         (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
+        verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]
         self.proc = await asyncio.create_subprocess_exec(
-            *self.driver.runsc_args(), "run", "--bundle", str(bundle), self.id,
+            *self.driver.runsc_args(), *verb, "--bundle", str(bundle), self.id,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         self.reader, self.writer = self.proc.stdout, self.proc.stdin
@@ -170,13 +172,29 @@ class GVisorDriver(Driver):
         out, _ = await p.communicate()
         return p.returncode, out.decode(errors="replace")
 
-    async def create(self, spec: SandboxSpec) -> Sandbox:
+    async def create(self, spec: SandboxSpec, restore_from: Optional[Path] = None) -> Sandbox:
         if not runsc_path():
             raise SandboxError("runsc not found: install gVisor (apt-get install runsc)")
         sb = GVisorSandbox(spec, self)
         try:
-            await sb.start()
+            await sb.start(restore_from)
         except OSError as e:
             await sb.destroy()
             raise SandboxError(f"could not start runsc: {e}") from None
         return sb
+
+    async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
+        image_dir.mkdir(parents=True, exist_ok=True)
+        code, out = await self.runsc("checkpoint", "--image-path", str(image_dir), sandbox.id)
+        if code != 0:
+            raise SandboxError(f"runsc checkpoint failed: {out.strip()[-500:]}")
+        try:
+            await asyncio.wait_for(sandbox.wait(), 30)
+        except asyncio.TimeoutError:
+            raise SandboxError("sandbox did not stop after its checkpoint") from None
+        await self.runsc("delete", "--force", sandbox.id)
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Sandbox:
+        if not (image_dir / "checkpoint.img").is_file():
+            raise SandboxError(f"checkpoint image missing in {image_dir}")
+        return await self.create(spec, restore_from=image_dir)
