@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -38,12 +39,23 @@ def cmd_serve(args) -> int:
             print(f"sandgate: cannot build the sandbox image: {e}", file=sys.stderr)
             return 1
 
+    # One gateway per home: at start it reclaims whatever sandboxes and
+    # workspaces are there, which would be another live gateway's.
+    settings.home.mkdir(parents=True, exist_ok=True)
+    lock = open(settings.home / "gateway.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"sandgate: another gateway is running with home {settings.home} (set --home)", file=sys.stderr)
+        return 1
+
     async def run() -> None:
         try:
             app = make_app(settings)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
         manager = app.settings["kernel_manager"]
+        await manager.reap()
         server = httpserver.HTTPServer(app, max_body_size=settings.max_message_mb << 20)
         try:
             server.listen(settings.port, settings.ip)

@@ -260,9 +260,14 @@ class Kernel:
             while not (reply and idle):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if status == "timeout":
+                        break  # interrupted, and still no reply: give up waiting
                     status = "timeout"
                     await self.manager.interrupt(self.id)
-                    break
+                    # Wait for the interrupted cell to end, or ipykernel would
+                    # abort the next request as part of the failed cell's queue.
+                    deadline = time.monotonic() + 10
+                    continue
                 try:
                     channel, got = await asyncio.wait_for(collector.queue.get(), remaining)
                 except asyncio.TimeoutError:
@@ -534,6 +539,7 @@ class KernelManager:
         shutil.rmtree(kernel.workspace, ignore_errors=True)
         if kernel.paused:
             shutil.rmtree(kernel.paused, ignore_errors=True)
+        self.gc()
         log.info("kernel %s shut down", kernel_id)
 
     async def interrupt(self, kernel_id: str) -> None:
@@ -567,6 +573,14 @@ class KernelManager:
         await kernel.teardown()
         await kernel.boot()
         return kernel
+
+    async def reap(self) -> None:
+        for name, driver in self.drivers.items():
+            n = await driver.reap()
+            if n:
+                log.warning("removed %d %s sandboxes left by an earlier gateway process", n, name)
+        for leftover in ("sandboxes", "paused", "workspaces"):
+            shutil.rmtree(self.settings.home / leftover, ignore_errors=True)
 
     async def shutdown_all(self) -> None:
         if self._culler:

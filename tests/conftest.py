@@ -48,12 +48,18 @@ class Response:
 class Gateway:
     """A running `sandgate serve` and a small HTTP client for it."""
 
-    def __init__(self, home: Path, tmp: Path, token="test-token", env=None, args=()):
+    def __init__(self, home: Path, tmp: Path, token="test-token", env=None, args=(), own_home=None):
         self.port = free_port()
         self.token = token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"gateway-{self.port}.log"
-        full_env = {**os.environ, "SANDGATE_HOME": str(home), "SANDGATE_TOKEN": token, **(env or {})}
+        # A home of its own (a gateway reclaims its home's sandboxes at start),
+        # sharing the built image.
+        self.home = own_home or tmp / f"home-{self.port}"
+        if own_home is None:
+            self.home.mkdir()
+            (self.home / "images").symlink_to(home / "images")
+        full_env = {**os.environ, "SANDGATE_HOME": str(self.home), "SANDGATE_TOKEN": token, **(env or {})}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), *args],
                                      env=full_env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -28,7 +28,10 @@ def test_doctor_reports_this_host():
 def test_serve_generates_and_prints_a_token(home, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "SANDGATE_TOKEN"}
-    proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(port), "--home", str(home)],
+    own = tmp_path / "home"
+    own.mkdir()
+    (own / "images").symlink_to(home / "images")
+    proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(port), "--home", str(own)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = []
@@ -42,6 +45,9 @@ def test_serve_generates_and_prints_a_token(home, tmp_path):
         gw.url, gw.token = f"http://127.0.0.1:{port}", token
         assert gw.request("GET", "/api/kernels").status == 200
         assert gw.request("GET", "/api/kernels", token="nope").status == 401
+        # A second gateway on the same home would reclaim this one's sandboxes: refused.
+        second = sandgate("serve", "--port", str(free_port()), "--home", str(own), env={"SANDGATE_TOKEN": "t"})
+        assert second.returncode == 1 and "another gateway is running with home" in second.stderr
     finally:
         proc.terminate()
         proc.wait(30)

@@ -73,6 +73,11 @@ class Driver(abc.ABC):
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """Start a sandbox whose agent is ready to read frames."""
 
+    async def reap(self) -> int:
+        """Remove sandboxes a previous gateway process left behind (it was
+        killed); returns how many. Run once at start-up."""
+        return 0
+
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
         """Save the running state of ``sandbox`` into ``image_dir`` and stop it.
         The workspace is not part of the image: the caller snapshots it while

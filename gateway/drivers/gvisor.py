@@ -183,8 +183,35 @@ class GVisorDriver(Driver):
             raise SandboxError(f"could not start runsc: {e}") from None
         return sb
 
+    async def reap(self) -> int:
+        code, out = await self.runsc("list", "-quiet")
+        ids = [line.strip() for line in out.splitlines() if line.strip().startswith("sg-")] if code == 0 else []
+        for sid in ids:
+            await self.runsc("kill", sid, "KILL")
+            await self.runsc("delete", "--force", sid)
+        return len(ids)
+
+    @staticmethod
+    def memory_in_use(sandbox_id: str) -> Optional[int]:
+        for path in (f"/sys/fs/cgroup/memory/sandgate/{sandbox_id}/memory.usage_in_bytes",  # cgroup v1
+                     f"/sys/fs/cgroup/sandgate/{sandbox_id}/memory.current"):  # v2
+            try:
+                return int(Path(path).read_text())
+            except (OSError, ValueError):
+                continue
+        return None
+
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
+        # This runsc stops the sandbox even when writing the image fails, so a
+        # full disk would kill it: refuse up front unless the image fits.
+        # The image is at most the sandbox's memory in use (usually a fifth).
+        need = (self.memory_in_use(sandbox.id) or 256 << 20) + (16 << 20)
+        st = os.statvfs(image_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise SandboxError(f"not enough disk space for a checkpoint: {free >> 20} MB free in "
+                               f"{image_dir.parent}, up to {need >> 20} MB needed")
         code, out = await self.runsc("checkpoint", "--image-path", str(image_dir), sandbox.id)
         if code != 0:
             raise SandboxError(f"runsc checkpoint failed: {out.strip()[-500:]}")

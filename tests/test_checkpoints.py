@@ -1,0 +1,279 @@
+"""Running-state checkpoints, forks, pause and resume, on real gVisor
+sandboxes through the sandbox API (and the Jupyter websocket for forks)."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from conftest import Gateway, wait_for
+
+
+def ex(gw, sid, code, timeout=60):
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout})
+    assert r.status == 200, r.body
+    return r.json()
+
+
+def create(gw, **body):
+    r = gw.request("POST", "/api/sandboxes", body)
+    assert r.status == 201, r.body
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def gw(home, tmp_path_factory):
+    g = Gateway(home, tmp_path_factory.mktemp("ck"), env={"SANDGATE_MAX_KERNELS": "6"})
+    yield g
+    g.stop()
+
+
+def test_fork_running_state_41_42_141_41(gw):
+    sb = create(gw, labels={"test": "fork"})
+    assert sb["state"] == "running" and sb["kernel_id"] == sb["id"] and sb["parent"] is None
+    sid = sb["id"]
+    out = ex(gw, sid, """
+import threading, time, json, numpy
+x = 41
+f = open('log.txt', 'w'); f.write('before\\n'); f.flush()
+ticks = [0]
+def tick():
+    while True:
+        ticks[0] += 1; time.sleep(0.05)
+t = threading.Thread(target=tick, daemon=True); t.start()
+print(x)""")
+    assert out["stdout"] == "41\n"
+    r = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "x41"})
+    assert r.status == 201, r.body
+    cp = r.json()
+    assert cp["name"] == "x41" and cp["sandbox"] == sid and cp["state_bytes"] > 1 << 20 and cp["file_count"] >= 1
+    assert ex(gw, sid, "x += 1; print(x)")["stdout"] == "42\n"
+
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 201, r.body
+    fork = r.json()
+    assert fork["parent"] == {"sandbox": sid, "checkpoint": cp["id"]} and fork["id"] != sid
+    out = ex(gw, fork["id"], """
+x += 100
+before = ticks[0]; time.sleep(0.5)
+f.write('fork\\n'); f.flush()
+print(x, t.is_alive(), ticks[0] > before, numpy.__name__, open('log.txt').read().split())""")
+    assert out["stdout"] == "141 True True numpy ['before', 'fork']\n", out
+    # Restoring the same checkpoint again gives 41 again; the original is untouched.
+    again = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]}).json()
+    assert ex(gw, again["id"], "print(x, open('log.txt').read().split())")["stdout"] == "41 ['before']\n"
+    assert ex(gw, sid, "print(x)")["stdout"] == "42\n"
+
+    # A fork is a Jupyter kernel too: reachable over the websocket by its id.
+    c = gw.connect(fork["id"])
+    assert c.execute("x")["results"][0]["text/plain"] == "141"
+    c.close()
+    assert fork["id"] in [k["id"] for k in gw.request("GET", "/api/kernels").json()]
+
+    tree = gw.request("GET", "/api/sandboxes/tree").json()["nodes"]
+    assert {"kind": "sandbox", "id": fork["id"], "parent": cp["id"], "state": "running"} in tree
+    for s in (sid, fork["id"], again["id"]):
+        assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
+
+
+def test_kernel_from_jupyter_api_can_fork_from_now(gw):
+    kid = gw.start_kernel()
+    c = gw.connect(kid)
+    c.execute("import random\nseed = 7")
+    c.close()
+    r = gw.request("POST", f"/api/sandboxes/{kid}/fork", {})
+    assert r.status == 201, r.body
+    fork = r.json()
+    assert ex(gw, fork["id"], "print(seed)")["stdout"] == "7\n"
+    assert ex(gw, kid, "print(seed)")["stdout"] == "7\n"
+    assert len(gw.request("GET", f"/api/sandboxes/{kid}/checkpoints").json()) == 1
+    gw.request("DELETE", f"/api/kernels/{fork['id']}")
+    gw.request("DELETE", f"/api/kernels/{kid}")
+
+
+def test_workspace_snapshots_are_deltas(gw):
+    sid = create(gw)["id"]
+    ex(gw, sid, "import os\nopen('big.bin', 'wb').write(os.urandom(2_000_000))")
+    first = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert first["new_bytes"] >= 2_000_000
+    ex(gw, sid, "open('small.txt', 'w').write('one more file')")
+    second = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert second["parent"] == first["id"]
+    assert second["files_bytes"] >= 2_000_000  # the whole workspace is in it...
+    assert second["new_bytes"] < 200_000  # ...but only what changed was stored again
+    listed = gw.request("GET", f"/api/sandboxes/{sid}/checkpoints").json()
+    assert [c["id"] for c in listed] == [first["id"], second["id"]]
+    assert gw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    # Nothing references them now: collected, blobs included.
+    assert first["id"] not in [n["id"] for n in gw.request("GET", "/api/sandboxes/tree").json()["nodes"]]
+
+
+def test_pause_frees_memory_and_resume_is_transparent(gw):
+    sid = create(gw)["id"]
+    ex(gw, sid, "data = list(range(1000)); y = 'kept'")
+    c = gw.connect(sid)
+    r = gw.request("POST", f"/api/sandboxes/{sid}/pause")
+    assert r.status == 200 and r.json()["state"] == "paused"
+    running = subprocess.run(["pgrep", "-f", f"sg-{sid}"], capture_output=True, text=True).stdout
+    assert running == ""  # no sandbox process holds memory while paused
+    # The same websocket, not reconnected: the next message wakes the sandbox.
+    assert c.execute("y + str(len(data))")["results"][0]["text/plain"] == "'kept1000'"
+    assert gw.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "running"
+    gw.request("POST", f"/api/sandboxes/{sid}/pause")
+    assert ex(gw, sid, "print(y)")["stdout"] == "kept\n"  # the API resumes too
+    c.close()
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_idle_sandboxes_pause_themselves(home, tmp_path):
+    g = Gateway(home, tmp_path, env={"SANDGATE_PAUSE_IDLE_TIMEOUT": "2", "SANDGATE_CULL_INTERVAL": "1"})
+    try:
+        sid = create(g)["id"]
+        ex(g, sid, "z = 99")
+        wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "paused", timeout=30)
+        assert ex(g, sid, "print(z)")["stdout"] == "99\n"
+    finally:
+        g.stop()
+
+
+def test_checkpoint_while_a_cell_runs_captures_it(gw):
+    """Documented behaviour: the running cell is captured; the original and
+    every fork each finish it."""
+    sid = create(gw)["id"]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(ex(gw, sid, "import time\ntime.sleep(3)\nprint('done')")))
+    t.start()
+    wait_for(lambda: gw.request("GET", f"/api/sandboxes/{sid}").json()["execution_state"] == "busy")
+    cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    t.join(60)
+    assert result["stdout"] == "done\n"
+    fork = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]}).json()
+    assert ex(gw, fork["id"], "print('fork alive')")["stdout"] == "fork alive\n"
+    gw.request("DELETE", f"/api/sandboxes/{fork['id']}")
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_bad_requests(gw):
+    unknown = str(uuid.uuid4())
+    r = gw.request("POST", f"/api/sandboxes/{unknown}/fork", {})
+    assert r.status == 404 and unknown in r.json()["message"]
+    sid = create(gw)["id"]
+    assert gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": "nope"}).status == 404
+    assert gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": 1}).status == 400
+    assert gw.request("POST", f"/api/sandboxes/{sid}/execute", {"cod": "1"}).status == 400
+    assert gw.request("POST", "/api/sandboxes", {"driver": "nonesuch"}).status == 400
+    assert gw.request("POST", "/api/sandboxes", {"checkpoint": "nope"}).status == 404
+    r = gw.request("GET", f"/api/sandboxes/{sid}/files/missing.txt")
+    assert r.status == 404
+    assert gw.request("GET", f"/api/sandboxes/{sid}/files/../../etc/passwd").status in (403, 404)
+    out = ex(gw, sid, "import time\nwhile True: time.sleep(0.1)", timeout=2)
+    assert out["status"] == "timeout"
+    assert ex(gw, sid, "print('after timeout')")["stdout"] == "after timeout\n"
+    cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert gw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    # Forking a deleted sandbox is a clear 404, whatever the checkpoint.
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 404 and "Sandbox does not exist" in r.json()["message"]
+
+
+def test_files_api(gw):
+    sid = create(gw)["id"]
+    blob = bytes(range(256)) * 4096
+    r = gw.request("PUT", f"/api/sandboxes/{sid}/files/data/blob.bin", raw=blob,
+                   headers={"Content-Type": "application/octet-stream"})
+    assert r.status == 201 and r.json()["size"] == len(blob)
+    assert gw.request("GET", f"/api/sandboxes/{sid}/files/data/blob.bin").body == blob
+    assert ex(gw, sid, "print(len(open('data/blob.bin','rb').read()))")["stdout"] == f"{len(blob)}\n"
+    listing = gw.request("GET", f"/api/sandboxes/{sid}/files/data").json()["entries"]
+    assert [e["name"] for e in listing] == ["blob.bin"]
+    assert gw.request("DELETE", f"/api/sandboxes/{sid}/files/data/blob.bin").status == 204
+    assert gw.request("GET", f"/api/sandboxes/{sid}/files/data/blob.bin").status == 404
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_execute_outputs(gw):
+    sid = create(gw)["id"]
+    out = ex(gw, sid, "%matplotlib inline\nimport matplotlib.pyplot as plt\nprint('hi')\nplt.plot([1,2]); plt.show()\n1+1")
+    kinds = [o["type"] for o in out["outputs"]]
+    assert out["status"] == "ok" and "display_data" in kinds and kinds[-1] == "execute_result"
+    assert any("image/png" in o["data"] for o in out["outputs"] if o["type"] == "display_data")
+    out = ex(gw, sid, "1/0")
+    assert out["status"] == "error" and out["error"]["ename"] == "ZeroDivisionError" and out["error"]["traceback"]
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_openapi(gw):
+    doc = gw.request("GET", "/api/sandboxes/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/api/sandboxes", "/api/sandboxes/{id}/fork", "/api/sandboxes/{id}/execute"} <= set(doc["paths"])
+    assert "SandboxModel" in doc["components"]["schemas"]
+
+
+def test_damaged_checkpoint_is_a_clear_error(gw):
+    sid = create(gw)["id"]
+    ex(gw, sid, "v = 1")
+    cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    image = gw.home / "checkpoints" / "items" / cp["id"] / "state" / "checkpoint.img"
+    with open(image, "r+b") as f:
+        f.seek(image.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 500 and "failed to restore" in r.json()["message"]
+    assert ex(gw, sid, "print(v)")["stdout"] == "1\n"  # the source is unharmed
+    image.unlink()
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 500 and "checkpoint image missing" in r.json()["message"]
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_disk_full_during_checkpoint(home, tmp_path):
+    g = Gateway(home, tmp_path)
+    small = g.home / "checkpoints" / "items"
+    small.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        sid = create(g)["id"]
+        ex(g, sid, "w = 'still here'")
+        r = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
+        assert r.status == 500 and "checkpoint" in r.json()["message"]
+        assert g.request("GET", f"/api/sandboxes/{sid}/checkpoints").json() == []
+        assert ex(g, sid, "print(w)")["stdout"] == "still here\n"
+        assert list(small.iterdir()) == []  # nothing half-written is left
+    finally:
+        g.stop()
+        subprocess.run(["umount", str(small)])
+
+
+def test_gateway_killed_mid_checkpoint(home, tmp_path):
+    g = Gateway(home, tmp_path)
+    sid = create(g)["id"]
+    ex(g, sid, "q = 5")
+    done = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "good"}).json()
+    def doomed():
+        try:
+            g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}, timeout=30)
+        except OSError:
+            pass  # the gateway dies under it
+
+    t = threading.Thread(target=doomed)
+    t.start()
+    time.sleep(0.4)  # runsc is writing the image now
+    g.proc.send_signal(signal.SIGKILL)
+    g.proc.wait()
+    t.join(60)
+    # Same home, new gateway: it reclaims the orphans; every listed checkpoint restores.
+    g.log.close()
+    g2 = Gateway(home, tmp_path, own_home=g.home)
+    try:
+        listed = [n for n in g2.request("GET", "/api/sandboxes/tree").json()["nodes"] if n["kind"] == "checkpoint"]
+        assert done["id"] in [c["id"] for c in listed]
+        for c in listed:
+            r = g2.request("POST", "/api/sandboxes", {"checkpoint": c["id"]})
+            assert r.status == 201, r.body
+            assert ex(g2, r.json()["id"], "print(q)")["stdout"] == "5\n"
+    finally:
+        g2.stop()
