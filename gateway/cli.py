@@ -56,6 +56,7 @@ def cmd_serve(args) -> int:
             raise SystemExit(f"sandgate: {e}") from None
         manager = app.settings["kernel_manager"]
         await manager.reap()
+        manager.warm()
         server = httpserver.HTTPServer(app, max_body_size=settings.max_message_mb << 20)
         try:
             server.listen(settings.port, settings.ip)

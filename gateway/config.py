@@ -24,6 +24,8 @@ class Settings(BaseModel):
     max_kernels: int = Field(16, ge=1)
     cull_idle_timeout: float = Field(0, ge=0)  # seconds without activity or connection; 0 = never
     cull_interval: float = Field(60, gt=0)
+    warm_start: bool = True  # restore new kernels from a template checkpoint
+    pool_size: int = Field(1, ge=0, le=64)  # kernels kept restored and ready
     pause_idle_timeout: float = Field(0, ge=0)  # pause (state to disk) after this idle time; 0 = never
     default_driver: str = "gvisor"
     home: Path = Field(default_factory=default_home)
@@ -38,6 +40,7 @@ class Settings(BaseModel):
         "allow_origin": "SANDGATE_ALLOW_ORIGIN", "max_kernels": "SANDGATE_MAX_KERNELS",
         "cull_idle_timeout": "SANDGATE_CULL_IDLE_TIMEOUT", "cull_interval": "SANDGATE_CULL_INTERVAL",
         "pause_idle_timeout": "SANDGATE_PAUSE_IDLE_TIMEOUT",
+        "warm_start": "SANDGATE_WARM_START", "pool_size": "SANDGATE_POOL_SIZE",
         "default_driver": "SANDGATE_DRIVER", "home": "SANDGATE_HOME", "env_allow": "SANDGATE_ENV_ALLOW",
         "max_message_mb": "SANDGATE_MAX_MESSAGE_MB", "kernel_start_timeout": "SANDGATE_KERNEL_START_TIMEOUT",
     }

@@ -188,7 +188,7 @@ class Kernel:
         await self.sandbox.destroy()
         self.sandbox = None
 
-    async def checkpoint(self, name: str = "") -> Checkpoint:
+    async def checkpoint(self, name: str = "", resume: bool = True) -> Checkpoint:
         async with self.lock:
             await self._ensure_running()
             store = self.manager.checkpoints
@@ -210,7 +210,11 @@ class Kernel:
                 await self.boot(restore_from=image)  # the sandbox carries on regardless
                 store.discard(cid)
                 raise
-            await self.boot(restore_from=image)
+            if resume:
+                await self.boot(restore_from=image)
+            else:
+                self.execution_state = "dead"
+                self.failure = "stopped after its checkpoint"
             self.head = cid
             log.info("kernel %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
                      time.monotonic() - t0, cp.state_bytes, new)
@@ -451,6 +455,14 @@ class KernelManager:
         self._culler: Optional[asyncio.Task] = None
         self.checkpoints = CheckpointStore(settings.home / "checkpoints")
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
+        self._templates_file = settings.home / "templates.json"
+        try:
+            self.templates: Dict[str, str] = json.loads(self._templates_file.read_text())
+        except (OSError, ValueError):
+            self.templates = {}
+        self._template_lock = asyncio.Lock()
+        self.pool: Dict[str, List[Kernel]] = {}
+        self._refilling: set = set()
 
     def rootfs(self):
         if self._rootfs is None:
@@ -497,24 +509,120 @@ class KernelManager:
             kernel.expires = utcnow() + dt.timedelta(seconds=ttl)
         self._starting += 1
         try:
-            if cp:
-                if src:
-                    kernel.env = src.env  # a fork keeps its parent's environment
-                kernel.origin = kernel.head = cp.id
-                self.checkpoints.materialize(cp, kernel.workspace, uid=1000 if os.geteuid() == 0 else None)
-                await kernel.boot(restore_from=self.checkpoints.state_dir(cp.id))
+            pooled = None if cp or limits is not None else self._take_pooled(spec.driver)
+            if pooled:  # warm, already running: the start costs one setup call
+                pooled.id, pooled.name, pooled.env, pooled.labels, pooled.expires = \
+                    kernel.id, kernel.name, kernel.env, kernel.labels, kernel.expires
+                pooled.workspace_dir.rename(pooled.workspace)
+                kernel = pooled
+                kernel.replay.clear()
+                await kernel.link.request("setup", {"env": kernel.env}, timeout=30)
             else:
-                await kernel.boot()
+                if cp is None:
+                    cp = self._ready_template(spec.driver)  # None until the template is made
+                    src = None
+                if cp:
+                    if src:
+                        kernel.env = src.env  # a fork keeps its parent's environment
+                    if cp.id not in self.templates.values():
+                        kernel.origin = kernel.head = cp.id
+                    await self._restore(kernel, cp)
+                else:
+                    await kernel.boot()
         except BaseException:
             shutil.rmtree(kernel.workspace, ignore_errors=True)
+            if kernel.sandbox:
+                await kernel.teardown()
             raise
         finally:
             self._starting -= 1
         self.kernels[kernel.id] = kernel
         await self.store.put(kernel.id, {"driver": kernel.driver, "sandbox": kernel.sandbox.id})
-        log.info("kernel %s started (%s, sandbox %s%s)", kernel.id, kernel.driver, kernel.sandbox.id,
-                 f", from checkpoint {cp.id}" if cp else "")
+        log.info("kernel %s started (%s, sandbox %s, %s)", kernel.id, kernel.driver, kernel.sandbox.id,
+                 "from the warm pool" if pooled else f"from checkpoint {cp.id}" if cp else "cold")
+        self._refill_pool(spec.driver)
         return kernel
+
+    async def _restore(self, kernel: Kernel, cp: Checkpoint) -> None:
+        self.checkpoints.materialize(cp, kernel.workspace, uid=1000 if os.geteuid() == 0 else None)
+        await kernel.boot(restore_from=self.checkpoints.state_dir(cp.id))
+        await kernel.link.request("setup", {"env": kernel.env}, timeout=30)
+
+    # -- warm start --------------------------------------------------------
+    def _template_key(self, driver: str) -> str:
+        return f"{driver}:{images.image_dir(self.settings.home).name}:{self.agent_dir().name}"
+
+    def _ready_template(self, driver: str) -> Optional[Checkpoint]:
+        cid = self.templates.get(self._template_key(driver)) if self.settings.warm_start else None
+        try:
+            return self.checkpoints.get(cid) if cid else None
+        except KeyError:
+            return None
+
+    def warm(self) -> None:
+        """Make the template and fill the pool in the background."""
+        for driver in self.drivers:
+            self._refill_pool(driver)
+
+    async def template(self, driver: str) -> Optional[Checkpoint]:
+        """The checkpoint of a freshly booted kernel that new kernels restore
+        from instead of cold-starting Python; made once per image and agent."""
+        if not self.settings.warm_start:
+            return None
+        key = self._template_key(driver)
+        async with self._template_lock:
+            cid = self.templates.get(key)
+            if cid:
+                try:
+                    return self.checkpoints.get(cid)
+                except KeyError:
+                    pass
+            t0 = time.monotonic()
+            k = Kernel(self, "template-" + uuid.uuid4().hex[:8], "template", driver, {})
+            try:
+                await k.boot()
+                cp = await k.checkpoint("template", resume=False)
+            except Exception as e:
+                log.warning("warm start disabled for %s: could not make a template: %s", driver, e)
+                self.settings.warm_start = False
+                return None
+            finally:
+                await k.teardown()
+                shutil.rmtree(k.workspace, ignore_errors=True)
+            self.templates[key] = cp.id
+            self._templates_file.write_text(json.dumps(self.templates))
+            log.info("template checkpoint %s made for %s in %.1f s", cp.id, driver, time.monotonic() - t0)
+            return cp
+
+    def _take_pooled(self, driver: str) -> Optional[Kernel]:
+        pool = self.pool.get(driver, [])
+        while pool:
+            k = pool.pop(0)
+            if k.execution_state == "idle" and k.link and not k.link.closed.done():
+                return k
+            asyncio.ensure_future(k.teardown())
+        return None
+
+    def _refill_pool(self, driver: str) -> None:
+        if not self.settings.warm_start or driver in self._refilling:
+            return
+        self._refilling.add(driver)
+        asyncio.ensure_future(self._refill(driver))
+
+    async def _refill(self, driver: str) -> None:
+        try:
+            pool = self.pool.setdefault(driver, [])
+            cp = await self.template(driver)
+            while cp and len(pool) < self.settings.pool_size:
+                k = Kernel(self, "pool-" + uuid.uuid4().hex[:8], "pool", driver, {})
+                k.workspace_dir = k.workspace
+                self.checkpoints.materialize(cp, k.workspace, uid=1000 if os.geteuid() == 0 else None)
+                await k.boot(restore_from=self.checkpoints.state_dir(cp.id))
+                pool.append(k)
+        except Exception as e:
+            log.warning("could not refill the warm pool for %s: %s", driver, e)
+        finally:
+            self._refilling.discard(driver)
 
     async def fork(self, kernel_id: str, checkpoint: Optional[str] = None) -> Kernel:
         """A second running copy: from a named checkpoint, or from now."""
@@ -528,7 +636,7 @@ class KernelManager:
     def gc(self) -> int:
         live = set(self.kernels)
         origins = {k.origin for k in self.kernels.values() if k.origin}
-        return self.checkpoints.gc(live, origins)
+        return self.checkpoints.gc(live, origins | set(self.templates.values()))
 
     async def shutdown(self, kernel_id: str) -> None:
         kernel = self.kernels.pop(kernel_id, None)
@@ -585,6 +693,11 @@ class KernelManager:
     async def shutdown_all(self) -> None:
         if self._culler:
             self._culler.cancel()
+        for pool in self.pool.values():
+            for k in pool:
+                await k.teardown()
+                shutil.rmtree(k.workspace, ignore_errors=True)
+        self.pool.clear()
         await asyncio.gather(*(self.shutdown(k) for k in list(self.kernels)), return_exceptions=True)
 
     def start_culler(self) -> None:

@@ -198,30 +198,35 @@ class Agent:
         self.ready.set()
         return {"pid": self.kernel.proc.pid, "language_info": info.get("language_info", {})}
 
+    async def own_request(self, msg_type: str, content: dict, timeout: float) -> dict:
+        """A request of the agent's own; its reply and output are not forwarded.
+        Returns once the reply has come *and* iopub has carried its output."""
+        msg_id = OWN.decode() + uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        reply, published = loop.create_future(), loop.create_future()
+        self.waiters[msg_id] = (reply, published)
+        msg = self.kernel.session.msg(msg_type, content)
+        msg["header"]["msg_id"] = msg_id
+        parts = self.kernel.session.serialize(msg)[2:]  # drop DELIM, signature
+        try:
+            await self.kernel.send("shell", parts)
+            await asyncio.wait_for(asyncio.gather(reply, published), timeout)
+            return reply.result()
+        finally:
+            self.waiters.pop(msg_id, None)
+
     async def kernel_info(self, deadline: float = 120.0) -> dict:
-        """Ask until the kernel answers on shell *and* its iopub output has
-        reached us: the first requests may go out before the kernel has bound
-        its sockets, and a SUB socket misses what is published before it has
-        connected (ipykernel 6 sends no welcome message)."""
+        """Ask until the kernel answers: the first requests may go out before
+        it has bound its sockets, and a SUB socket misses what is published
+        before it has connected (ipykernel 6 sends no welcome message)."""
         t_end = time.monotonic() + deadline
         while time.monotonic() < t_end:
             if self.kernel.proc.returncode is not None:
                 raise RuntimeError(f"kernel exited with status {self.kernel.proc.returncode} during start")
-            msg_id = OWN.decode() + uuid.uuid4().hex
-            loop = asyncio.get_running_loop()
-            reply, published = loop.create_future(), loop.create_future()
-            self.waiters[msg_id] = (reply, published)
-            msg = self.kernel.session.msg("kernel_info_request", {})
-            msg["header"]["msg_id"] = msg_id
-            parts = self.kernel.session.serialize(msg)[2:]  # drop DELIM, signature
-            await self.kernel.send("shell", parts)
             try:
-                await asyncio.wait_for(asyncio.gather(reply, published), 1.0)
-                return reply.result()
+                return await self.own_request("kernel_info_request", {}, 1.0)
             except asyncio.TimeoutError:
                 pass
-            finally:
-                self.waiters.pop(msg_id, None)
         raise RuntimeError("kernel did not answer kernel_info within the deadline")
 
     async def watch(self, proc: asyncio.subprocess.Process) -> None:
@@ -325,6 +330,23 @@ class Agent:
         info = await self.kernel_info()
         self.ready.set()
         return info, b""
+
+    async def op_setup(self, a, _):
+        """Make a sandbox restored from a shared checkpoint its own: its
+        environment, and fresh randomness (every copy of a checkpoint would
+        otherwise draw the same 'random' numbers)."""
+        os.environ.update(a.env)
+        code = ["import os as _sg_os, random as _sg_random",
+                f"_sg_os.environ.update({json.dumps(a.env)})",
+                "_sg_random.seed(_sg_os.urandom(32))"]
+        if a.reseed_numpy:
+            code.append("import sys as _sg_sys\nif 'numpy' in _sg_sys.modules: _sg_sys.modules['numpy'].random.seed()")
+        code.append("del _sg_os, _sg_random" + (", _sg_sys" if a.reseed_numpy else ""))
+        reply = await self.own_request("execute_request", {"code": "\n".join(code), "silent": True,
+                                                           "store_history": False}, 30)
+        if reply.get("status") != "ok":
+            raise RuntimeError(f"setup failed in the kernel: {reply.get('ename')}: {reply.get('evalue')}")
+        return {}, b""
 
     async def op_interrupt(self, a, _):
         self.kernel.interrupt()

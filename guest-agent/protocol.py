@@ -99,11 +99,17 @@ class NoArgs(BaseModel):
     pass
 
 
+class SetupArgs(BaseModel):
+    env: Dict[str, str] = {}
+    reseed_numpy: bool = True
+
+
 OP_ARGS = {
     "ping": NoArgs,  # -> {kernel_alive, pid, buffered, dropped, agent_version}
     "attach": NoArgs,  # start sending; flush what was buffered
     "detach": NoArgs,  # stop sending; buffer up to the bound
     "reconnect": NoArgs,  # after a restore: new kernel sockets, then kernel_info
+    "setup": SetupArgs,  # after a restore: set env in agent and kernel, reseed randomness
     "interrupt": NoArgs,  # SIGINT the kernel
     "restart": NoArgs,  # kill and start the kernel again, same sandbox
     "file_read": PathArgs,  # payload of the response = file bytes

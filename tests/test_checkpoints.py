@@ -113,12 +113,14 @@ def test_workspace_snapshots_are_deltas(gw):
 
 
 def test_pause_frees_memory_and_resume_is_transparent(gw):
-    sid = create(gw)["id"]
+    sb = create(gw)
+    sid, runtime = sb["id"], sb["runtime_id"]
     ex(gw, sid, "data = list(range(1000)); y = 'kept'")
     c = gw.connect(sid)
+    assert subprocess.run(["pgrep", "-f", runtime], capture_output=True).returncode == 0
     r = gw.request("POST", f"/api/sandboxes/{sid}/pause")
-    assert r.status == 200 and r.json()["state"] == "paused"
-    running = subprocess.run(["pgrep", "-f", f"sg-{sid}"], capture_output=True, text=True).stdout
+    assert r.status == 200 and r.json()["state"] == "paused" and r.json()["runtime_id"] is None
+    running = subprocess.run(["pgrep", "-f", runtime], capture_output=True, text=True).stdout
     assert running == ""  # no sandbox process holds memory while paused
     # The same websocket, not reconnected: the next message wakes the sandbox.
     assert c.execute("y + str(len(data))")["results"][0]["text/plain"] == "'kept1000'"

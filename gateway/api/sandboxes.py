@@ -73,6 +73,7 @@ class SandboxModel(BaseModel):
     execution_state: str
     driver: str
     kernel_id: str
+    runtime_id: Optional[str]  # the driver's name for the running sandbox (runsc list), none while paused
     parent: Optional[Dict[str, Optional[str]]]  # {"sandbox", "checkpoint"} it was forked from
     head: Optional[str]  # newest checkpoint in its line
     labels: Dict[str, str]
@@ -90,7 +91,7 @@ def sandbox_model(kernel) -> dict:
         cp = kernel.manager.checkpoints.get(kernel.origin)
         parent = {"sandbox": cp.sandbox, "checkpoint": cp.id}
     return SandboxModel(id=kernel.id, state=state, execution_state=kernel.execution_state, driver=kernel.driver,
-                        kernel_id=kernel.id, parent=parent, head=kernel.head, labels=kernel.labels,
+                        kernel_id=kernel.id, runtime_id=kernel.sandbox.id if kernel.sandbox else None, parent=parent, head=kernel.head, labels=kernel.labels,
                         created=m["created"], last_activity=m["last_activity"], expires=m.get("expires"),
                         reason=m.get("reason")).model_dump()
 
