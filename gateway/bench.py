@@ -1,13 +1,22 @@
 """`sandgate bench`: Sandgate beside a plain local kernel and the PyPI Kernel Gateway.
 
-Three targets are measured in one run, interleaved so that drift on a noisy
+Five targets are measured in one run, interleaved so that drift on a noisy
 host hits them all alike:
 
 * ``jupyter-client``: a local ipykernel driven over ZMQ by a
   ``BlockingKernelClient``, no gateway at all (the baseline);
 * ``kernel-gateway``: ``jupyter kernelgateway`` from PyPI, driven over REST and
   the websocket (legacy JSON frames) as a client would;
-* ``sandgate-gvisor``: ``sandgate serve``, driven identically.
+* ``sandgate-gvisor``: ``sandgate serve`` with warm start (the default), driven
+  identically; each start waits ``POOL_WAIT`` s first, so it takes a kernel
+  from the refilled pool;
+* ``sandgate-template``: warm start with ``SANDGATE_POOL_SIZE=0``: every start
+  restores the template checkpoint (the pool-empty case);
+* ``sandgate-cold``: ``SANDGATE_WARM_START=false``: every start boots Python.
+
+Each Sandgate gateway has a home of its own (one gateway per home), sharing the
+built image by a symlink; warm targets are measured only once their gateway
+logged "template checkpoint ... made".
 
 Metrics: kernel start (request to the first ``1+1`` execute_result, median of
 ``START_REPS``), the ``1+1`` execute round trip (request until both its
@@ -16,6 +25,11 @@ warmup runs, in batches of ``BATCH`` alternating between targets), and the
 memory one idle kernel adds (RSS and PSS summed over its process tree, from
 psutil). Every kernel and subprocess is stopped on the way out, Ctrl-C and
 errors included.
+
+The checkpoint section runs on ``sandgate-gvisor`` over the sandbox API:
+checkpoint time and size after ``x = 41``, fork to the fork's first ``1+1``
+result, pause, the execute that resumes a paused sandbox, and what a paused
+sandbox holds in memory (its runtime processes) and on disk.
 """
 
 from __future__ import annotations
@@ -47,8 +61,13 @@ WARMUP = 5
 BATCH = 20
 IDLE_WAIT = 3.0  # seconds an idle kernel settles before its memory is read
 TIMEOUT = 180.0  # any single kernel start or execute
-TARGETS = ("jupyter-client", "kernel-gateway", "sandgate-gvisor")
+TARGETS = ("jupyter-client", "kernel-gateway", "sandgate-gvisor", "sandgate-template", "sandgate-cold")
 SANDGATE = "sandgate-gvisor"
+SANDGATE_TEMPLATE = "sandgate-template"
+SANDGATE_COLD = "sandgate-cold"
+POOL_WAIT = 3.0  # seconds before a warm start, for the pool to refill
+TEMPLATE_WAIT = 300.0  # for a warm gateway's template checkpoint
+CHECKPOINT_REPS = 3
 CODE = "1+1"
 
 _t0 = time.monotonic()
@@ -254,6 +273,9 @@ class Target:
     name = ""
 
     def setup(self) -> None: ...
+
+    def before_start(self) -> None:
+        """Untimed preparation before a measured start."""
 
     def start_kernel(self): ...
 
@@ -463,31 +485,80 @@ class KernelGatewayTarget(GatewayTarget):
 
 
 class SandgateTarget(GatewayTarget):
-    name = SANDGATE
+    """``sandgate serve`` in a home of its own (one gateway per home), the
+    built image shared with the bench's home by a symlink."""
 
-    def __init__(self, logdir: Path, home: Path):
+    def __init__(self, logdir: Path, image_home: Path, name: str = SANDGATE, extra_env: Optional[dict] = None,
+                 pool_wait: float = 0.0):
+        self.name = name
         super().__init__(logdir)
-        self.home = home
+        self.home = logdir / f"home-{name}"
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "images").symlink_to((image_home / "images").resolve(), target_is_directory=True)
+        self.extra_env = extra_env or {}
+        self.warm = self.extra_env.get("SANDGATE_WARM_START", "true") != "false"
+        self.pool_wait = pool_wait
         self.started_ids: List[str] = []
+        self.runtime_ids: List[str] = []
 
     def command(self) -> List[str]:
         return [sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), "--token", self.token]
 
     def env(self) -> dict:
-        return {**os.environ, "SANDGATE_HOME": str(self.home)}
+        env = {k: v for k, v in os.environ.items() if k not in ("SANDGATE_WARM_START", "SANDGATE_POOL_SIZE")}
+        return {**env, "SANDGATE_HOME": str(self.home), **self.extra_env}
+
+    def setup(self) -> None:
+        super().setup()
+        if not self.warm:
+            return
+        deadline = time.monotonic() + TEMPLATE_WAIT
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            if "template checkpoint" in text:
+                return
+            if "warm start disabled" in text:
+                raise BenchError(f"{self.name}: the gateway could not make its template:\n{self.log_tail()}")
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.name} exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.5)
+        raise BenchError(f"{self.name}: no template checkpoint within {TEMPLATE_WAIT:g} s:\n{self.log_tail()}")
+
+    def before_start(self) -> None:
+        if self.pool_wait:
+            time.sleep(self.pool_wait)  # untimed: the pool refills after the previous start
 
     def start_kernel(self) -> WSKernel:
         k = super().start_kernel()
         self.started_ids.append(k.id)
         return k
 
+    def runtime_id(self, sid: str) -> Optional[str]:
+        status, body = self.request("GET", f"/api/sandboxes/{sid}")
+        rid = body.get("runtime_id") if status == 200 and isinstance(body, dict) else None
+        if rid and rid not in self.runtime_ids:
+            self.runtime_ids.append(rid)
+        return rid
+
+    def kernel_procs(self, kernel) -> list:
+        # A kernel taken from the pool runs in a sandbox named after the pool
+        # slot, not after the kernel: match its runtime id too.
+        psutil = need_psutil()
+        kid = kernel if isinstance(kernel, str) else kernel.id
+        keys = [kid] + [r for r in [self.runtime_id(kid)] if r]
+        procs = []
+        for p in self.ps.children():
+            try:
+                line = " ".join(p.cmdline())
+                if any(key in line for key in keys):
+                    procs.append(p)
+            except psutil.Error:
+                pass
+        return procs
+
     def memory(self, kernel: WSKernel) -> dict:
         m = super().memory(kernel)
-        sandbox = None
-        for p in self.kernel_procs(kernel):
-            args = p.cmdline()
-            if "run" in args and args[-1].startswith("sg-"):
-                sandbox = args[-1]
+        sandbox = self.runtime_id(kernel.id)
         m["sandbox"] = sandbox
         m["cgroup"] = sandbox_cgroup_memory(sandbox) if sandbox else None
         return m
@@ -498,7 +569,8 @@ class SandgateTarget(GatewayTarget):
         psutil = need_psutil()
         for p in psutil.process_iter(["cmdline"]):
             line = " ".join(p.info.get("cmdline") or [])
-            if any(f"sg-{kid}" in line for kid in self.started_ids) and p.pid != os.getpid():
+            if (any(f"sg-{kid}" in line for kid in self.started_ids)
+                    or any(rid in line for rid in self.runtime_ids)) and p.pid != os.getpid():
                 progress(f"warning: sandbox process {p.pid} outlived the gateway; killing it: {line[:120]}")
                 try:
                     p.kill()
@@ -507,6 +579,172 @@ class SandgateTarget(GatewayTarget):
 
     def versions(self) -> dict:
         return {"sandgate": __version__}
+
+    # -- the sandbox API, for the checkpoint section ----------------------
+    def api(self, method: str, path: str, body=None, expect=(200,)):
+        try:
+            status, out = self.request(method, path, body)
+        except OSError as e:
+            raise BenchError(f"{self.name}: {method} {path} failed: {e}\n{self.log_tail()}") from None
+        if status not in expect:
+            raise BenchError(f"{self.name}: {method} {path} answered {status}: {out}\n{self.log_tail()}")
+        return out
+
+    def create_sandbox(self) -> str:
+        sid = self.api("POST", "/api/sandboxes", {}, expect=(201,))["id"]
+        self.kernels[sid] = None  # deleted on the way out, whatever happens
+        self.started_ids.append(sid)
+        self.runtime_id(sid)
+        return sid
+
+    def run_cell(self, sid: str, code: str) -> dict:
+        out = self.api("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": TIMEOUT})
+        if out.get("status") != "ok":
+            raise BenchError(f"{self.name}: {code!r} in sandbox {sid} gave {out.get('status')}: {out.get('error')}")
+        return out
+
+
+def cell_result(out: dict) -> Optional[str]:
+    for o in out.get("outputs", []):
+        if o.get("type") == "execute_result":
+            return (o.get("data") or {}).get("text/plain")
+    return None
+
+
+def dir_bytes(path: Path) -> Optional[int]:
+    if not path.exists():
+        return None
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def runtime_memory(keys: List[str]) -> dict:
+    """RSS of every process whose command line names one of keys, with descendants."""
+    psutil = need_psutil()
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info.get("cmdline") or [])
+        if p.pid != os.getpid() and any(k and k in line for k in keys):
+            procs.append(p)
+    return tree_memory(procs)
+
+
+def measure_checkpoints(t: SandgateTarget) -> dict:
+    """Checkpoint, fork, pause and resume on one warm sandbox over the sandbox API."""
+    raw = {"checkpoint_s": [], "state_bytes": [], "files_bytes": [], "new_bytes": [], "fork_s": [],
+           "fork_sees_x": [], "pause_s": [], "resume_execute_s": [], "paused_rss": [], "paused_processes": [],
+           "paused_disk_bytes": []}
+    t.before_start()
+    sid = t.create_sandbox()
+    time.sleep(POOL_WAIT)  # let the pool refill before timing anything
+    t.run_cell(sid, "x = 41")
+    cps = []
+    for i in range(CHECKPOINT_REPS):
+        t0 = time.perf_counter()
+        cp = t.api("POST", f"/api/sandboxes/{sid}/checkpoints", {}, expect=(201,))
+        raw["checkpoint_s"].append(time.perf_counter() - t0)
+        for key in ("state_bytes", "files_bytes", "new_bytes"):
+            raw[key].append(cp.get(key))
+        cps.append(cp["id"])
+        progress(f"checkpoint {i + 1}/{CHECKPOINT_REPS}: {raw['checkpoint_s'][-1]:.2f} s, "
+                 f"state {mib(cp.get('state_bytes') or 0):.1f} MiB, new {cp.get('new_bytes')} B")
+    for i in range(CHECKPOINT_REPS):
+        t0 = time.perf_counter()
+        fork = t.api("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cps[i]}, expect=(201,))["id"]
+        t.kernels[fork] = None
+        t.started_ids.append(fork)
+        out = t.run_cell(fork, CODE)
+        raw["fork_s"].append(time.perf_counter() - t0)
+        if cell_result(out) != "2":
+            raise BenchError(f"{t.name}: 1+1 in fork {fork} gave {out!r}")
+        raw["fork_sees_x"].append(cell_result(t.run_cell(fork, "x + 1")) == "42")
+        t.runtime_id(fork)
+        t.stop_kernel(fork)
+        progress(f"fork {i + 1}/{CHECKPOINT_REPS}: {raw['fork_s'][-1]:.2f} s to the first 1+1")
+    for i in range(CHECKPOINT_REPS):
+        rid = t.runtime_id(sid)
+        t0 = time.perf_counter()
+        m = t.api("POST", f"/api/sandboxes/{sid}/pause", {})
+        raw["pause_s"].append(time.perf_counter() - t0)
+        if m.get("state") != "paused":
+            raise BenchError(f"{t.name}: sandbox {sid} is {m.get('state')!r} after pause")
+        time.sleep(1.0)
+        mem = runtime_memory([rid, sid])
+        raw["paused_rss"].append(mem["rss"])
+        raw["paused_processes"].append(mem["processes"])
+        raw["paused_disk_bytes"].append(dir_bytes(t.home / "paused" / sid))
+        t0 = time.perf_counter()
+        out = t.run_cell(sid, CODE)
+        raw["resume_execute_s"].append(time.perf_counter() - t0)
+        if cell_result(out) != "2":
+            raise BenchError(f"{t.name}: 1+1 after resume gave {out!r}")
+        progress(f"pause {i + 1}/{CHECKPOINT_REPS}: {raw['pause_s'][-1]:.2f} s, paused RSS "
+                 f"{mib(mem['rss']):.1f} MiB in {mem['processes']} processes, on disk "
+                 f"{mib(raw['paused_disk_bytes'][-1] or 0):.1f} MiB; execute that resumes: "
+                 f"{raw['resume_execute_s'][-1]:.2f} s")
+    t.stop_kernel(sid)
+    return raw
+
+
+def summarize_checkpoints(raw: dict) -> dict:
+    def med(key, scale=1.0):
+        vals = [v for v in raw.get(key, []) if v is not None]
+        return statistics.median(vals) * scale if vals else None
+
+    return {"checkpoint_median_s": med("checkpoint_s"), "state_mib": med("state_bytes", 2**-20),
+            "files_bytes": med("files_bytes"), "new_bytes": med("new_bytes"),
+            "fork_to_first_result_median_s": med("fork_s"), "pause_median_s": med("pause_s"),
+            "resume_execute_median_s": med("resume_execute_s"), "paused_rss_mib": med("paused_rss", 2**-20),
+            "paused_processes": med("paused_processes"), "paused_disk_mib": med("paused_disk_bytes", 2**-20),
+            "fork_sees_x": all(raw.get("fork_sees_x") or [False])}
+
+
+CHECKPOINT_ROWS = [
+    ("checkpoint_median_s", "checkpoint after `x = 41`, median (s)", "{:.2f}"),
+    ("state_mib", "checkpoint state_bytes, median (MiB)", "{:.1f}"),
+    ("new_bytes", "checkpoint new_bytes, median (B)", "{:.0f}"),
+    ("fork_to_first_result_median_s", "fork to its first 1+1 result, median (s)", "{:.2f}"),
+    ("pause_median_s", "pause, median (s)", "{:.2f}"),
+    ("resume_execute_median_s", "1+1 on a paused sandbox (resume round trip), median (s)", "{:.2f}"),
+    ("paused_rss_mib", "paused sandbox RSS, its runtime processes (MiB)", "{:.1f}"),
+    ("paused_disk_mib", "paused sandbox on disk, paused/<id> (MiB)", "{:.1f}"),
+]
+
+
+def goals(summary: dict) -> dict:
+    def start(name):
+        return summary.get(name, {}).get("start_median_s")
+
+    def ratio(a, b):
+        return start(a) / start(b) if start(a) is not None and start(b) else None
+
+    out = {
+        "cold/warm (pool)": ratio(SANDGATE_COLD, SANDGATE),
+        "cold/warm (template, pool empty)": ratio(SANDGATE_COLD, SANDGATE_TEMPLATE),
+        "warm (pool)/kernel-gateway": ratio(SANDGATE, "kernel-gateway"),
+        "warm (template, pool empty)/kernel-gateway": ratio(SANDGATE_TEMPLATE, "kernel-gateway"),
+    }
+    met = {k: (None if v is None else v >= 3 if k.startswith("cold/") else v < 1) for k, v in out.items()}
+    return {"ratios": out, "met": met, "goal": "cold/warm >= 3 and warm/kernel-gateway < 1"}
+
+
+def checkpoint_table(cs: dict, g: dict) -> str:
+    rows = [[label, "-" if cs.get(key) is None else fmt.format(cs[key])] for key, label, fmt in CHECKPOINT_ROWS]
+    for k, v in g["ratios"].items():
+        goal = "goal >= 3x" if k.startswith("cold/") else "goal < 1x"
+        met = g["met"][k]
+        rows.append([f"start ratio {k} ({goal})",
+                     "-" if v is None else f"{v:.2f}x ({'met' if met else 'not met'})"])
+    head = ["metric (sandgate-gvisor, warm)", "value"]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(2)]
+    line = lambda r: f"| {r[0].ljust(widths[0])} | {r[1].rjust(widths[1])} |"
+    return "\n".join([line(head), f"|{'-' * (widths[0] + 2)}|{'-' * (widths[1] + 1)}:|"] + [line(r) for r in rows])
 
 
 # -- the run ---------------------------------------------------------------------
@@ -552,6 +790,7 @@ def runsc_version() -> str:
 
 def measure_start(target: Target) -> dict:
     """Start a kernel, time it to its first 1+1 result, then read its idle memory."""
+    target.before_start()
     t0 = time.perf_counter()
     got: List[float] = []
     kernel = target.start_kernel()
@@ -658,7 +897,14 @@ def run(args) -> int:
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-"))
-    targets: List[Target] = [DirectTarget(logdir), KernelGatewayTarget(logdir), SandgateTarget(logdir, home)]
+    targets: List[Target] = [
+        DirectTarget(logdir), KernelGatewayTarget(logdir),
+        SandgateTarget(logdir, home, SANDGATE, {"SANDGATE_WARM_START": "true"}, pool_wait=POOL_WAIT),
+        SandgateTarget(logdir, home, SANDGATE_TEMPLATE, {"SANDGATE_WARM_START": "true", "SANDGATE_POOL_SIZE": "0"}),
+        SandgateTarget(logdir, home, SANDGATE_COLD, {"SANDGATE_WARM_START": "false"}),
+    ]
+    nt = len(targets)
+    checkpoint_raw: dict = {}
     results = {t.name: {"start_s": [], "memory": [], "roundtrip_s": [], "kernel": {}} for t in targets}
     live: Dict[str, object] = {}
     failed = None
@@ -669,7 +915,7 @@ def run(args) -> int:
             t.setup()
 
         for rep in range(START_REPS):
-            order = targets[rep % 3:] + targets[:rep % 3]
+            order = targets[rep % nt:] + targets[:rep % nt]
             for t in order:
                 m = measure_start(t)
                 results[t.name]["start_s"].append(m["start_s"])
@@ -687,7 +933,7 @@ def run(args) -> int:
         done, rnd = 0, 0
         while done < runs:
             n = min(BATCH, runs - done)
-            order = targets[rnd % 3:] + targets[:rnd % 3]
+            order = targets[rnd % nt:] + targets[:rnd % nt]
             for t in order:
                 k, rt = live[t.name], results[t.name]["roundtrip_s"]
                 for _ in range(n):
@@ -698,6 +944,13 @@ def run(args) -> int:
             rnd += 1
             progress(f"round trips {done}/{runs}: " + ", ".join(
                 f"{t.name} p50 {percentile(results[t.name]['roundtrip_s'], 50) * 1e3:.2f} ms" for t in targets))
+
+        for t in targets:  # the checkpoint section uses the warm gateway alone
+            k = live.pop(t.name, None)
+            if k is not None:
+                t.stop_kernel(k)
+        progress(f"checkpoints, forks, pause and resume on {SANDGATE}")
+        checkpoint_raw = measure_checkpoints(next(t for t in targets if t.name == SANDGATE))
     except KeyboardInterrupt:
         failed = "interrupted"
     except BenchError as e:
@@ -724,6 +977,8 @@ def run(args) -> int:
 
     summary = summarize(results)
     rat = ratios(summary)
+    cs = summarize_checkpoints(checkpoint_raw)
+    g = goals(summary)
     versions = {}
     for t in targets:
         versions.update(t.versions())
@@ -733,13 +988,20 @@ def run(args) -> int:
                  "platform": platform.platform(), "runsc": runsc_version(),
                  "runsc_platform": os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace"), **versions},
         "config": {"runs": runs, "warmup": WARMUP, "batch": BATCH, "start_reps": START_REPS,
-                   "idle_wait_s": IDLE_WAIT, "code": CODE, "home": str(home)},
+                   "idle_wait_s": IDLE_WAIT, "code": CODE, "home": str(home), "pool_wait_s": POOL_WAIT,
+                   "checkpoint_reps": CHECKPOINT_REPS,
+                   "targets_env": {t.name: t.extra_env for t in targets if isinstance(t, SandgateTarget)}},
         "summary": summary,
         "ratios": rat,
+        "checkpoints": cs,
+        "goals": g,
         "raw": results,
+        "raw_checkpoints": checkpoint_raw,
     }
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
     print(table(summary, rat))
+    print()
+    print(checkpoint_table(cs, g))
     print(f"\nraw numbers: {args.output}")
     return 0

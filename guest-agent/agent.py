@@ -324,10 +324,17 @@ class Agent:
         return {}, b""
 
     async def op_reconnect(self, a, _):
-        """Sent by the gateway after restoring a checkpoint."""
+        """Sent by the gateway after restoring a checkpoint: the kernel must
+        answer. Its sockets normally survive the restore (and with them the
+        replies of a cell that was running); if they do not, they are made
+        anew, at the cost of what was in flight on the old ones."""
         self.ready.clear()
-        self.connect_kernel()
-        info = await self.kernel_info()
+        try:
+            info = await self.kernel_info(deadline=5)
+        except RuntimeError:
+            log("kernel sockets did not survive the restore; reconnecting")
+            self.connect_kernel()
+            info = await self.kernel_info()
         self.ready.set()
         return info, b""
 
