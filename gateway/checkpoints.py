@@ -12,7 +12,6 @@ are removed by ``sweep``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time

@@ -701,7 +701,6 @@ class KernelManager:
         await asyncio.gather(*(self.shutdown(k) for k in list(self.kernels)), return_exceptions=True)
 
     def start_culler(self) -> None:
-        s = self.settings
         if self._culler is None:
             self._culler = asyncio.ensure_future(self._cull_loop())
 

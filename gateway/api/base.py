@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Optional, Type, TypeVar
+from typing import Type, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from tornado import web
@@ -107,6 +107,3 @@ def not_found(message: str) -> web.HTTPError:
 def error(status: int, message: str) -> web.HTTPError:
     return web.HTTPError(status, "%s", message)
 
-
-def optional_str(value) -> Optional[str]:
-    return value if isinstance(value, str) and value else None
