@@ -311,9 +311,20 @@ class Kernel:
             raise AgentError(f"kernel {self.id} is dead: {self.failure or 'no sandbox'}")
 
     async def _watch_sandbox(self, exited: asyncio.Future) -> None:
-        await exited
-        await asyncio.sleep(0.2)
-        self.failure = self.sandbox.failure() if self.sandbox else "sandbox gone"
+        link = self.link
+        await asyncio.wait({exited, link.closed}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():  # a dying sandbox closes its stream first: give it a moment
+            await asyncio.wait({exited}, timeout=2)
+        if not exited.done():
+            # The stream broke (say, garbage from a compromised agent) while the
+            # sandbox runs on: nothing could reach it any more, so it is stopped.
+            reason = link.closed.result()
+            log.error("kernel %s: agent stream lost (%s); stopping its sandbox", self.id, reason)
+            await self.sandbox.destroy()
+            self.failure = f"agent stream lost: {reason}"
+        else:
+            await asyncio.sleep(0.2)
+            self.failure = self.sandbox.failure() if self.sandbox else "sandbox gone"
         self.execution_state = "dead"
         log.error("kernel %s: %s", self.id, self.failure)
         self._broadcast("iopub", status_message("dead"))
@@ -516,6 +527,7 @@ class KernelManager:
                 pooled.workspace_dir.rename(pooled.workspace)
                 kernel = pooled
                 kernel.replay.clear()
+                kernel.created = kernel.last_activity = utcnow()  # time in the pool is not its age
                 await kernel.link.request("setup", {"env": kernel.env}, timeout=30)
             else:
                 if cp is None:

@@ -267,7 +267,13 @@ class Agent:
                     if not fut.done():
                         fut.set_result(json.loads(parts[3]))
                 continue
-            await self.out.send(P.encode_kernel(channel, parts))
+            try:
+                frame = P.encode_kernel(channel, parts)
+            except P.ProtocolError as e:  # bigger than a frame may be: say so, keep going
+                log(f"dropping a {channel} message: {e}")
+                self.out.dropped += 1
+                continue
+            await self.out.send(frame)
 
     # -- gateway side ---------------------------------------------------
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -315,13 +321,6 @@ class Agent:
         return {"kernel_alive": alive, "kernel_responding": alive and await self.kernel.heartbeat(),
                 "pid": self.kernel.proc.pid if self.kernel.proc else None,
                 "buffered": len(self.out.buffer), "agent_version": P.VERSION}, b""
-
-    async def op_attach(self, a, _):
-        return {}, b""  # attaching is implied by the connection itself
-
-    async def op_detach(self, a, _):
-        self.out.detach()
-        return {}, b""
 
     async def op_reconnect(self, a, _):
         """Sent by the gateway after restoring a checkpoint: the kernel must

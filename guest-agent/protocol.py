@@ -105,9 +105,7 @@ class SetupArgs(BaseModel):
 
 
 OP_ARGS = {
-    "ping": NoArgs,  # -> {kernel_alive, pid, buffered, dropped, agent_version}
-    "attach": NoArgs,  # start sending; flush what was buffered
-    "detach": NoArgs,  # stop sending; buffer up to the bound
+    "ping": NoArgs,  # -> {kernel_alive, kernel_responding, pid, buffered, agent_version}
     "reconnect": NoArgs,  # after a restore: new kernel sockets, then kernel_info
     "setup": SetupArgs,  # after a restore: set env in agent and kernel, reseed randomness
     "interrupt": NoArgs,  # SIGINT the kernel
