@@ -245,7 +245,7 @@ class Kernel:
         shutil.rmtree(image, ignore_errors=True)
         log.info("kernel %s resumed", self.id)
 
-    async def execute(self, code: str, timeout: float) -> dict:
+    async def execute(self, code: str, timeout: float, on_output=None) -> dict:
         """Run one cell and return its outputs; on timeout the cell is interrupted."""
         if self.paused:
             await self.resume()
@@ -287,6 +287,8 @@ class Kernel:
                     out = output_of(h["msg_type"], c)
                     if out:
                         outputs.append(out)
+                        if on_output:
+                            await on_output(out)
         finally:
             self.detach(collector)
         if reply and status == "ok":

@@ -208,6 +208,36 @@ def test_execute_outputs(gw):
     gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
+def test_execute_streams_server_sent_events(gw):
+    import http.client
+    import json as _json
+
+    sid = create(gw)["id"]
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+    conn.request("POST", f"/api/sandboxes/{sid}/execute",
+                 body=_json.dumps({"code": "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.5)"}),
+                 headers={"Authorization": f"token {gw.token}", "Accept": "text/event-stream"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    events = []
+    event = None
+    while True:
+        line = r.fp.readline().decode()
+        if not line:
+            break
+        if line.startswith("event: "):
+            event = line[7:].strip()
+        elif line.startswith("data: "):
+            events.append((event, _json.loads(line[6:]), time.monotonic()))
+            if event in ("result", "error"):
+                break
+    outputs = [e for e in events if e[0] == "output"]
+    assert [o[1]["text"] for o in outputs] == ["0\n", "1\n", "2\n"]
+    assert outputs[-1][2] - outputs[0][2] > 0.5  # they arrived as they were printed, not at the end
+    assert events[-1][0] == "result" and events[-1][1]["stdout"] == "0\n1\n2\n"
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
 def test_openapi(gw):
     doc = gw.request("GET", "/api/sandboxes/openapi.json").json()
     assert doc["openapi"].startswith("3.")

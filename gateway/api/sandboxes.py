@@ -7,6 +7,7 @@ there, reachable through /api/kernels/{id}/channels.
 
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -151,10 +152,29 @@ class SandboxHandler(SandboxBase):
 
 
 class ExecuteHandler(SandboxBase):
+    """JSON by default; with ``Accept: text/event-stream`` (or ``?stream=1``) a
+    server-sent event per output as it happens, then one ``result`` event."""
+
     async def post(self, sid):
         body = self.body(ExecuteRequest)
         kernel = self.kernel(sid)
-        self.reply(await self.guarded(kernel.execute(body.code, body.timeout)))
+        stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
+        if not stream:
+            return self.reply(await self.guarded(kernel.execute(body.code, body.timeout)))
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-cache")
+
+        async def emit(event: str, data: dict) -> None:
+            self.write(f"event: {event}\ndata: {json.dumps(data)}\n\n")
+            await self.flush()
+
+        try:
+            result = await kernel.execute(body.code, body.timeout, on_output=lambda o: emit("output", o))
+        except Exception as e:  # headers are sent: the error travels as an event
+            await emit("error", {"message": str(e) or type(e).__name__})
+        else:
+            await emit("result", result)
+        self.finish()
 
 
 class ActionHandler(SandboxBase):
@@ -286,8 +306,10 @@ def openapi() -> dict:
         "/api/sandboxes/{id}": {
             "get": {"parameters": sid, "responses": resp(200, "SandboxModel")},
             "delete": {"parameters": sid, "responses": resp(204, desc="Deleted")}},
-        "/api/sandboxes/{id}/execute": {"post": {"parameters": sid, "requestBody": body("ExecuteRequest"),
-                                                 "responses": resp(200, "ExecuteResult")}},
+        "/api/sandboxes/{id}/execute": {"post": {
+            "parameters": sid, "requestBody": body("ExecuteRequest"),
+            "summary": "Run code; with Accept: text/event-stream, `output` events as they happen, then `result`",
+            "responses": resp(200, "ExecuteResult")}},
         "/api/sandboxes/{id}/pause": {"post": {"parameters": sid, "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/resume": {"post": {"parameters": sid, "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/checkpoints": {
