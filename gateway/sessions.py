@@ -395,6 +395,9 @@ class Kernel:
         elif ev.event == "kernel_restarted":
             log.info("kernel %s: ipykernel restarted after a crash", self.id)
             self.execution_state = "idle"
+            # The new kernel's own "starting" can be published before the agent's
+            # SUB socket reconnects; this one always arrives.
+            self._broadcast("iopub", status_message("idle"))
         elif ev.event == "dropped":
             log.warning("kernel %s: agent dropped %s messages while detached", self.id, ev.data.get("frames"))
 

@@ -137,9 +137,9 @@ def test_kernel_crash_is_answered_and_recovered(gateway):
         def states():
             return [m["content"]["execution_state"] for m in c.seen[mark:] if m["msg_type"] == "status"
                     and not m["parent_header"]]
-        while "starting" not in states():
+        while "idle" not in states():
             c.recv(timeout=60)
-        assert states()[0] == "restarting" and states()[-1] == "starting"
+        assert states()[0] == "restarting" and states()[-1] == "idle"
         assert c.execute("z")["errors"][0]["ename"] == "NameError"
         assert c.execute("2+2")["results"][0]["text/plain"] == "4"
         assert "ipykernel exited with status 1; restarting it" in gateway.log_text()
