@@ -175,7 +175,7 @@ class Kernel:
         try:
             await self.manager.drivers[self.driver].checkpoint(self.sandbox, image_dir)
         except BaseException:
-            if self.sandbox and self.sandbox.proc.returncode is None:
+            if self.sandbox and self.sandbox.running:
                 self._watch = asyncio.ensure_future(self._watch_sandbox(asyncio.ensure_future(self.sandbox.wait())))
             raise
         old = self.link

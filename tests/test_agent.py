@@ -50,10 +50,10 @@ def agent(tmp_path):
     sock = str(tmp_path / "agent.sock")
     proc = subprocess.Popen([sys.executable, "-m", "sandgate_agent.agent", "--transport", f"unix:{sock}",
                              "--workspace", str(tmp_path / "ws"), "--runtime-dir", str(tmp_path / "rt"),
-                             "--buffer-frames", "50"], stderr=subprocess.PIPE)
+                             "--buffer-frames", "50"], stderr=open(tmp_path / "agent.log", "w"))
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
-        assert proc.poll() is None, proc.stderr.read().decode()
+        assert proc.poll() is None, (tmp_path / "agent.log").read_text()
         assert time.monotonic() < deadline
         time.sleep(0.1)
     yield sock, tmp_path / "ws"
@@ -87,17 +87,24 @@ def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
 
 
 def test_buffer_bound_reports_drops(agent):
-    sock, _ = agent
+    sock, ws = agent
 
     async def main():
         a = await Conn.open(sock)
         # display() sends one message per call: 200 messages, the bound is 50.
-        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(2)\n"
-                                   "for i in range(200):\n    display(i)")
+        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(1)\n"
+                                   "for i in range(200):\n    display(i)\nopen('done', 'w').close()")
         a.link.send_kernel("shell", parts)
-        await a.link.writer.drain()
+        while True:  # the cell has started; its output comes a second later
+            ch, p = await asyncio.wait_for(a.queue.get(), 30)
+            if mid.encode() in p[1]:
+                break
         await a.link.close()
-        await asyncio.sleep(5)
+        deadline = time.monotonic() + 60
+        while not (ws / "done").exists():  # the cell has run, with nobody listening
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         b = await Conn.open(sock)
         await asyncio.sleep(1)
         dropped = [e for e in b.events if e.event == "dropped"]

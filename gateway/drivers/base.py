@@ -48,6 +48,11 @@ class Sandbox(abc.ABC):
     def id(self) -> str:
         return self.spec.id
 
+    @property
+    @abc.abstractmethod
+    def running(self) -> bool:
+        """Whether the sandbox's processes are still up."""
+
     @abc.abstractmethod
     async def wait(self) -> int:
         """Wait until the sandbox has stopped; returns its exit status."""

@@ -112,6 +112,10 @@ class GVisorSandbox(Sandbox):
             self.log_tail.append(text)
             log.debug("[%s] %s", self.id, text)
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
     async def wait(self) -> int:
         assert self.proc
         return await self.proc.wait()
