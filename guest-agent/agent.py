@@ -43,6 +43,13 @@ OWN = b"sandgate-agent-"  # msg_id prefix of the agent's own kernel requests
 IPC_PORTS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
 
+def as_user(uid: int | None) -> dict:
+    """Child processes (the kernel, commands) run as the sandbox user: they
+    can then neither read nor write the agent's own stream through
+    /proc/1/fd, nor signal or trace the agent."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
 def log(*args) -> None:
     print("sandgate-agent:", *args, file=sys.stderr, flush=True)
 
@@ -100,7 +107,8 @@ class Outbox:
 class KernelProcess:
     """One ipykernel process and the agent's sockets to it."""
 
-    def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None):
+    def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None, user: int | None = None):
+        self.user = user
         self.dir = runtime_dir
         self.workspace = workspace
         self.argv = argv
@@ -114,6 +122,9 @@ class KernelProcess:
         with open(self.conn_file, "w") as f:
             json.dump(dict(transport="ipc", ip=os.path.join(runtime_dir, "k"), key=self.session.key.decode(),
                            signature_scheme="hmac-sha256", kernel_name="python3", **ports), f)
+        if user is not None:  # the kernel binds its ipc sockets here as that user
+            os.chown(runtime_dir, user, user)
+            os.chown(self.conn_file, user, user)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{os.path.join(self.dir, 'k')}-{IPC_PORTS[name]}"
@@ -142,7 +153,7 @@ class KernelProcess:
         self.proc = await asyncio.create_subprocess_exec(
             *argv, "-f", self.conn_file, cwd=self.workspace,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
-            start_new_session=True)
+            start_new_session=True, **as_user(self.user))
 
     async def send(self, channel: str, parts: list[bytes]) -> None:
         sig = self.session.sign(parts[:4])
@@ -177,7 +188,8 @@ class Agent:
         self.workspace = os.path.realpath(args.workspace)
         os.makedirs(self.workspace, exist_ok=True)
         self.out = Outbox(args.buffer_frames, args.buffer_bytes)
-        self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd)
+        self.user = args.user
+        self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd, args.user)
         self.ready = asyncio.Event()
         self.restarting = False
         self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
@@ -377,13 +389,26 @@ class Agent:
 
     async def op_file_write(self, a, payload):
         path = self.resolve(a.path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.makedirs(os.path.dirname(path))
         tmp = f"{path}.sandgate-{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as f:
             f.write(payload)
         os.chmod(tmp, a.mode)
+        if self.user is not None:
+            os.chown(tmp, self.user, self.user)
         os.replace(tmp, path)  # readers never see half a file
         return {"size": len(payload)}, b""
+
+    def makedirs(self, path: str) -> None:
+        """Create missing directories, owned by the sandbox user like the rest."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for d in reversed(missing):
+            os.mkdir(d)
+            if self.user is not None:
+                os.chown(d, self.user, self.user)
 
     async def op_file_list(self, a, _):
         base = self.resolve(a.path)
@@ -407,7 +432,8 @@ class Agent:
     async def op_exec(self, a, _):
         proc = await asyncio.create_subprocess_exec(
             *a.argv, cwd=self.resolve(a.cwd), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            **as_user(self.user))
         timed_out = False
         try:
             out, err = await asyncio.wait_for(proc.communicate(), a.timeout)
@@ -515,6 +541,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runtime-dir", default="/tmp/sandgate")
     ap.add_argument("--buffer-frames", type=int, default=10000)
     ap.add_argument("--buffer-bytes", type=int, default=64 << 20)
+    ap.add_argument("--user", type=int, default=None, help="uid (and gid) for the kernel and commands")
     ap.add_argument("--kernel-cmd", nargs="+", default=None, help="kernel argv; '-f CONNECTION_FILE' is appended")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are for the kernel

@@ -24,8 +24,9 @@ from .base import Driver, Sandbox, SandboxError, SandboxSpec
 
 log = logging.getLogger("sandgate.gvisor")
 
-# uid/gid of the sandbox user: not root, even inside the sandbox.
+# uid/gid of the kernel and of commands: not root, even inside the sandbox.
 SANDBOX_UID = 1000
+AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL"]
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": "/workspace",
@@ -50,11 +51,15 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
-            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
+            # The agent is root inside the sandbox with only the capabilities it
+            # needs to run the kernel as SANDBOX_UID and keep the workspace
+            # files owned by it; the kernel and commands hold none.
+            "user": {"uid": 0, "gid": 0},
             "args": argv,
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/workspace",
-            "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            "capabilities": {**{k: AGENT_CAPS for k in ("bounding", "effective", "permitted")},
+                             "inheritable": [], "ambient": []},
             "noNewPrivileges": True,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
         },
@@ -95,7 +100,7 @@ class GVisorSandbox(Sandbox):
         self.spec.workspace.mkdir(parents=True, exist_ok=True)
         os.chown(self.spec.workspace, SANDBOX_UID, SANDBOX_UID) if os.geteuid() == 0 else None
         argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
-                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate"]
+                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(SANDBOX_UID)]
         (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
         verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]
         self.proc = await asyncio.create_subprocess_exec(
