@@ -101,6 +101,7 @@ class Kernel:
         self.listeners: List[Listener] = []
         self.replay: collections.deque = collections.deque()
         self.replay_dropped = 0
+        self.replay_bytes = 0
         self.pending: Dict[str, dict] = {}  # execute_request headers awaiting their reply
         self.lock = asyncio.Lock()  # one of checkpoint, pause, resume, restart at a time
         self.head: Optional[str] = None  # newest checkpoint in this sandbox's line
@@ -370,11 +371,15 @@ class Kernel:
         for conn in targets:
             conn.deliver(channel, parts)
 
+    REPLAY_BYTES = 64 << 20
+
     def _keep(self, channel: str, parts: List[bytes]) -> None:
-        if len(self.replay) >= self.manager.settings.replay_messages:
+        size = sum(len(p) for p in parts)
+        if len(self.replay) >= self.manager.settings.replay_messages or self.replay_bytes + size > self.REPLAY_BYTES:
             self.replay_dropped += 1
             return
         self.replay.append((channel, parts))
+        self.replay_bytes += size
 
     def _broadcast(self, channel: str, parts: List[bytes]) -> None:
         if not self.listeners:
@@ -429,7 +434,7 @@ class Kernel:
 
     def attach(self, conn: Listener) -> None:
         self.listeners.append(conn)
-        replay, self.replay = self.replay, collections.deque()
+        replay, self.replay, self.replay_bytes = self.replay, collections.deque(), 0
         if self.replay_dropped:
             log.warning("kernel %s: %d messages dropped while no client was connected", self.id, self.replay_dropped)
             self.replay_dropped = 0
@@ -532,6 +537,7 @@ class KernelManager:
                 pooled.workspace_dir.rename(pooled.workspace)
                 kernel = pooled
                 kernel.replay.clear()
+                kernel.replay_bytes = 0
                 kernel.created = kernel.last_activity = utcnow()  # time in the pool is not its age
                 await kernel.link.request("setup", {"env": kernel.env}, timeout=30)
             else:

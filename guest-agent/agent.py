@@ -288,14 +288,15 @@ class Agent:
             await self.out.send(frame)
 
     # -- gateway side ---------------------------------------------------
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer) -> str:
+        """Serve one gateway connection; returns why it ended."""
         await self.out.attach(writer)
         try:
             while True:
                 try:
                     frame, payload = await P.read_frame(reader)
                 except EOFError:
-                    return
+                    return "the gateway closed the stream"
                 if isinstance(frame, P.KernelFrame):
                     if frame.channel == "iopub":
                         continue
@@ -305,6 +306,7 @@ class Agent:
                     asyncio.ensure_future(self.answer(frame, payload))
         except P.ProtocolError as e:
             log(f"protocol error, dropping the connection: {e}")
+            return f"protocol error from the gateway: {e}"
         finally:
             if self.out.writer is writer:
                 self.out.detach()
@@ -441,7 +443,11 @@ class Agent:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = await proc.communicate()
-        return {"exit_code": proc.returncode, "timed_out": timed_out, "stdout_len": len(out)}, out + err
+        cap = P.MAX_PAYLOAD // 2 - 4096  # both streams must fit one frame
+        truncated = len(out) > cap or len(err) > cap
+        out, err = out[:cap], err[:cap]
+        return {"exit_code": proc.returncode, "timed_out": timed_out, "stdout_len": len(out),
+                "truncated": truncated}, out + err
 
 
 class BlockingWriter:
@@ -500,8 +506,8 @@ async def main_async(args: argparse.Namespace) -> None:
     if kind == "stdio":
         reader, writer = await stdio_streams()
         writer.write(ready)
-        await agent.serve(reader, writer)
-        log("stdin closed; stopping")
+        why = await agent.serve(reader, writer)
+        log(f"{why}; stopping")
         await agent.kernel.kill()
         return
     if kind == "serial":  # the device persists; reopen after each hangup

@@ -136,6 +136,7 @@ def test_files_and_exec(agent):
         await a.link.request("file_delete", {"path": "d"})
         assert not (ws / "d").exists()
         res, out = await a.link.request("exec", {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]})
+        assert res["truncated"] is False
         assert res["exit_code"] == 3 and out[:res["stdout_len"]] == b"out\n" and out[res["stdout_len"]:] == b"err\n"
         res, _ = await a.link.request("exec", {"argv": ["sleep", "30"], "timeout": 0.5})
         assert res["timed_out"] is True
