@@ -576,7 +576,9 @@ class KernelManager:
         return f"{driver}:{images.image_dir(self.settings.home).name}:{self.agent_dir().name}"
 
     def _ready_template(self, driver: str) -> Optional[Checkpoint]:
-        cid = self.templates.get(self._template_key(driver)) if self.settings.warm_start else None
+        if not (self.settings.warm_start and self.drivers[driver].can_checkpoint):
+            return None
+        cid = self.templates.get(self._template_key(driver))
         try:
             return self.checkpoints.get(cid) if cid else None
         except KeyError:
@@ -584,8 +586,9 @@ class KernelManager:
 
     def warm(self) -> None:
         """Make the template and fill the pool in the background."""
-        for driver in self.drivers:
-            self._refill_pool(driver)
+        for name, driver in self.drivers.items():
+            if driver.can_checkpoint:
+                self._refill_pool(name)
 
     async def template(self, driver: str) -> Optional[Checkpoint]:
         """The checkpoint of a freshly booted kernel that new kernels restore
@@ -606,8 +609,8 @@ class KernelManager:
                 await k.boot()
                 cp = await k.checkpoint("template", resume=False)
             except Exception as e:
-                log.warning("warm start disabled for %s: could not make a template: %s", driver, e)
-                self.settings.warm_start = False
+                log.warning("warm start off for %s: could not make a template: %s", driver, e)
+                self.drivers[driver].can_checkpoint = False
                 return None
             finally:
                 await k.teardown()
@@ -627,7 +630,7 @@ class KernelManager:
         return None
 
     def _refill_pool(self, driver: str) -> None:
-        if not self.settings.warm_start or driver in self._refilling:
+        if not self.settings.warm_start or driver in self._refilling or not self.drivers[driver].can_checkpoint:
             return
         self._refilling.add(driver)
         asyncio.ensure_future(self._refill(driver))

@@ -2,7 +2,8 @@
 
 from .base import Driver, Limits, Sandbox, SandboxError, SandboxSpec
 from .gvisor import GVisorDriver
+from .qemu import QemuDriver
 
-DRIVERS = {GVisorDriver.name: GVisorDriver}
+DRIVERS = {GVisorDriver.name: GVisorDriver, QemuDriver.name: QemuDriver}
 
 __all__ = ["DRIVERS", "Driver", "Limits", "Sandbox", "SandboxError", "SandboxSpec"]

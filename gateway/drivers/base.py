@@ -68,6 +68,7 @@ class Sandbox(abc.ABC):
 
 class Driver(abc.ABC):
     name: str = ""
+    can_checkpoint: bool = True  # whether checkpoint/restore (and so warm start) are implemented
 
     @classmethod
     @abc.abstractmethod

@@ -1,0 +1,139 @@
+"""MicroVM boot artifacts, made from Debian packages and the same root
+filesystem as the gVisor image (rootfs.py):
+
+* ``vmlinuz``: the Debian cloud kernel (linux-image-cloud-amd64);
+* ``initrd.gz``: busybox (busybox-static) plus the virtio modules the cloud
+  kernel ships as modules; its /init mounts the disks and executes the guest
+  agent as PID 1 on the virtio-serial port named ``sandgate``;
+* ``root.ext4``: the root filesystem as a raw ext4 image, the read-only base
+  every VM's qcow2 overlay sits on.
+
+Named by a hash of this recipe and the root filesystem's image name, built in
+a temporary directory and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from . import rootfs
+
+RECIPE = {
+    "version": 1,
+    "kernel_package": "linux-image-cloud-amd64",
+    # Load order matters: each needs the ones before it.
+    "modules": ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko", "drivers/virtio/virtio_mmio.ko",
+                "drivers/block/virtio_blk.ko", "drivers/char/virtio_console.ko"],
+    "root_size": "3G",
+}
+
+INIT = """#!/bin/busybox sh
+# sandgate microVM init: disks are vda (root, read-only), vdb (agent), vdc (workspace).
+B=/bin/busybox
+$B mount -t proc proc /proc; $B mount -t sysfs sys /sys; $B mount -t devtmpfs dev /dev
+{insmods}
+$B mount -o ro /dev/vda /newroot || {{ echo "sandgate-init: cannot mount the root disk" >/dev/ttyS0; $B poweroff -f; }}
+$B mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
+$B mount -o ro /dev/vdb /newroot/opt/sandgate
+$B mount /dev/vdc /newroot/workspace && $B chown 1000:1000 /newroot/workspace
+for p in /sys/class/virtio-ports/*; do
+  [ "$($B cat $p/name)" = sandgate ] && $B ln -sf /dev/$($B basename $p) /dev/sandgate
+done
+$B mount --move /dev /newroot/dev; $B mount --move /proc /newroot/proc; $B mount --move /sys /newroot/sys
+exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 \\
+  PYTHONPATH=/opt/sandgate PYTHONDONTWRITEBYTECODE=1 MPLCONFIGDIR=/tmp/matplotlib PYDEVD_DISABLE_FILE_VALIDATION=1 \\
+  /usr/bin/python3 -m sandgate_agent.agent --transport serial:/dev/sandgate --workspace /workspace \\
+  --runtime-dir /tmp/sandgate --user 1000
+"""
+
+
+def vm_dir(home: Path) -> Path:
+    base = rootfs.image_dir(home).name
+    h = hashlib.sha256(json.dumps({"recipe": RECIPE, "init": INIT, "rootfs": base}, sort_keys=True).encode())
+    return home / "images" / f"vm-{h.hexdigest()[:16]}"
+
+
+def is_built(home: Path) -> bool:
+    return (vm_dir(home) / "manifest.json").exists()
+
+
+def _run(cmd, **kw) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {(p.stderr or p.stdout).strip()[-400:]}")
+    return p.stdout
+
+
+def build(home: Path, progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> Path:
+    final = vm_dir(home)
+    if (final / "manifest.json").exists():
+        return final
+    base = rootfs.build(home, progress=progress) / "rootfs"
+    for tool in ("apt-get", "dpkg-deb", "mkfs.ext4", "qemu-img"):
+        if not shutil.which(tool):
+            raise RuntimeError(f"{tool} not found (apt-get install e2fsprogs qemu-utils)")
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".building-", dir=final.parent))
+    try:
+        progress("building the microVM kernel, initramfs and root disk")
+        dl = tmp / "debs"
+        dl.mkdir()
+        deps = _run(["apt-cache", "depends", RECIPE["kernel_package"]])
+        kernel_pkg = next(line.split()[-1] for line in deps.splitlines() if "Depends: linux-image-" in line)
+        _run(["apt-get", "download", kernel_pkg, "busybox-static"], cwd=dl)
+        for deb in dl.glob("*.deb"):
+            _run(["dpkg-deb", "-x", str(deb), str(tmp / "x")])
+        vmlinuz = next((tmp / "x" / "boot").glob("vmlinuz-*"))
+        shutil.copy(vmlinuz, tmp / "vmlinuz")
+        moddir = next((tmp / "x" / "lib" / "modules").iterdir()) / "kernel"
+        ird = tmp / "initrd"
+        for d in ("bin", "mods", "newroot", "proc", "sys", "dev"):
+            (ird / d).mkdir(parents=True)
+        shutil.copy(tmp / "x" / "bin" / "busybox", ird / "bin" / "busybox")
+        names = []
+        for rel in RECIPE["modules"]:
+            shutil.copy(moddir / rel, ird / "mods" / Path(rel).name)
+            names.append(f"$B insmod /mods/{Path(rel).name}")
+        (ird / "init").write_text(INIT.format(insmods="\n".join(names)))
+        os.chmod(ird / "init", 0o755)
+        files = "\n".join(sorted(os.path.relpath(p, ird) for p in glob.glob(f"{ird}/**", recursive=True)))
+        cpio = subprocess.run([str(ird / "bin" / "busybox"), "cpio", "-o", "-H", "newc"], input=files.encode(),
+                              cwd=ird, capture_output=True, check=True).stdout
+        subprocess.run(["gzip", "-1"], input=cpio, stdout=open(tmp / "initrd.gz", "wb"), check=True)
+        progress("  writing the ext4 root disk (about 20 s)")
+        _run(["truncate", "-s", RECIPE["root_size"], str(tmp / "root.ext4")])
+        _run(["mkfs.ext4", "-q", "-F", "-d", str(base), str(tmp / "root.ext4")])
+        shutil.rmtree(tmp / "x")
+        shutil.rmtree(dl)
+        shutil.rmtree(ird)
+        (tmp / "manifest.json").write_text(json.dumps({"kernel": kernel_pkg, "recipe": RECIPE}))
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"microVM image {final.name} built")
+    return final
+
+
+def agent_disk(home: Path) -> Path:
+    """The guest agent bundle as a small read-only ext4 disk, per agent hash."""
+    bundle = rootfs.agent_bundle(home)
+    disk = bundle / "agent.ext4"
+    if not disk.exists():
+        tmp = disk.with_suffix(f".tmp-{os.getpid()}")
+        src = tempfile.mkdtemp()
+        try:
+            shutil.copytree(bundle / "sandgate_agent", Path(src) / "sandgate_agent")
+            _run(["truncate", "-s", "16M", str(tmp)])
+            _run(["mkfs.ext4", "-q", "-F", "-d", src, str(tmp)])
+            os.rename(tmp, disk)
+        finally:
+            shutil.rmtree(src, ignore_errors=True)
+    return disk
