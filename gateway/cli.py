@@ -90,6 +90,10 @@ def cmd_image(args) -> int:
     if args.action == "build":
         try:
             path = images.build(settings.home)
+            if args.vm:
+                from sandgate_images import vm
+
+                print(vm.build(settings.home))
         except RuntimeError as e:
             print(f"sandgate: image build failed: {e}", file=sys.stderr)
             return 1
@@ -174,6 +178,7 @@ def main(argv=None) -> int:
 
     i = sub.add_parser("image", help="build or show the sandbox image")
     i.add_argument("action", choices=["build", "show"])
+    i.add_argument("--vm", action="store_true", help="also build the microVM kernel, initramfs and root disk")
     i.add_argument("--home")
     i.set_defaults(fn=cmd_image)
 
