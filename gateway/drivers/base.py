@@ -66,6 +66,20 @@ class Sandbox(abc.ABC):
         """Stop the sandbox and remove everything it left on the host."""
 
 
+class ProcessSandbox(Sandbox):
+    """A sandbox that lives exactly as long as one host process (runsc, qemu)."""
+
+    proc: Optional[asyncio.subprocess.Process] = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def wait(self) -> int:
+        assert self.proc, "sandbox not started"
+        return await self.proc.wait()
+
+
 class Driver(abc.ABC):
     name: str = ""
     can_checkpoint: bool = True  # whether checkpoint/restore (and so warm start) are implemented

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .base import Driver, Sandbox, SandboxError, SandboxSpec
+from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
 
 log = logging.getLogger("sandgate.gvisor")
 
@@ -86,11 +86,10 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
     }
 
 
-class GVisorSandbox(Sandbox):
+class GVisorSandbox(ProcessSandbox):
     def __init__(self, spec: SandboxSpec, driver: "GVisorDriver"):
         super().__init__(spec)
         self.driver = driver
-        self.proc: Optional[asyncio.subprocess.Process] = None
         self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._stderr_task: Optional[asyncio.Task] = None
 
@@ -116,14 +115,6 @@ class GVisorSandbox(Sandbox):
             text = line.decode(errors="replace").rstrip()
             self.log_tail.append(text)
             log.debug("[%s] %s", self.id, text)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    async def wait(self) -> int:
-        assert self.proc
-        return await self.proc.wait()
 
     def failure(self) -> str:
         code = self.proc.returncode if self.proc else None

@@ -20,18 +20,17 @@ import shutil
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .base import Driver, Sandbox, SandboxError, SandboxSpec
+from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
 
 
 def qemu_path() -> Optional[str]:
     return shutil.which("qemu-system-x86_64")
 
 
-class QemuSandbox(Sandbox):
+class QemuSandbox(ProcessSandbox):
     def __init__(self, spec: SandboxSpec, driver: "QemuDriver"):
         super().__init__(spec)
         self.driver = driver
-        self.proc: Optional[asyncio.subprocess.Process] = None
         self.console = spec.state_dir / "console.log"
 
     async def start(self) -> None:
@@ -73,14 +72,6 @@ class QemuSandbox(Sandbox):
         if not sock.exists():
             raise SandboxError(f"qemu did not start: {self.failure()}")
         self.reader, self.writer = await asyncio.open_unix_connection(str(sock), limit=1 << 20)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    async def wait(self) -> int:
-        assert self.proc
-        return await self.proc.wait()
 
     def failure(self) -> str:
         code = self.proc.returncode if self.proc else None
