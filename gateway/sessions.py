@@ -296,8 +296,7 @@ class Kernel:
             status = reply.get("status", "ok")
         error = next((o for o in outputs if o["type"] == "error"), None)
         if error is None and reply and reply.get("status") == "error":
-            error = {"type": "error", "ename": reply.get("ename"), "evalue": reply.get("evalue"),
-                     "traceback": reply.get("traceback", [])}
+            error = output_of("error", reply)  # e.g. DeadKernelError: in the reply only
         return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
                 "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
                 "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
