@@ -135,18 +135,20 @@ class Kernel:
                            agent_dir=self.manager.agent_dir(), workspace=self.workspace,
                            state_dir=s.home / "sandboxes" / self.id, env=self.env, limits=self.limits)
 
-    async def boot(self, restore_from: Optional[Path] = None) -> None:
-        """Start the sandbox, cold or from a checkpoint image."""
+    async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
+        """Start the sandbox, cold or from a checkpoint image (``consume``: the
+        image is removed after, see Driver.restore)."""
         s = self.manager.settings
         spec = self.new_spec()
         self.execution_state, self.failure = "starting", None
         driver = self.manager.drivers[self.driver]
-        sandbox = await (driver.restore(spec, restore_from) if restore_from else driver.create(spec))
+        sandbox = await (driver.restore(spec, restore_from, consume) if restore_from else driver.create(spec))
         self.sandbox = sandbox
         self.link = AgentLink(sandbox.reader, sandbox.writer, self._on_kernel, self._on_event)
         exited = asyncio.ensure_future(sandbox.wait())
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
-        ready = asyncio.ensure_future(self.link.request("reconnect", timeout=s.kernel_start_timeout)
+        ready = asyncio.ensure_future(self.link.request("reconnect", {"clock": time.time()},
+                                                        timeout=s.kernel_start_timeout)
                                       if restore_from else self.link.ready)
         done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -157,7 +159,7 @@ class Kernel:
             elif ready.done():
                 why = str(ready.exception())
             else:
-                why = f"agent not ready within {s.kernel_start_timeout:g} s"
+                why = f"agent not ready within {s.kernel_start_timeout:g} s ({sandbox.failure()})"
             ready.cancel()
             exited.cancel()
             await self.teardown()
@@ -208,7 +210,7 @@ class Kernel:
                                 files_bytes=sum(f.size for f in files.values()), new_bytes=new)
                 store.commit(cp)  # from here on it is listed, and whole
             except BaseException:
-                await self.boot(restore_from=image)  # the sandbox carries on regardless
+                await self.boot(restore_from=image, consume=True)  # the sandbox carries on regardless
                 store.discard(cid)
                 raise
             if resume:
@@ -241,7 +243,7 @@ class Kernel:
         if not self.paused:
             return
         image = self.paused
-        await self.boot(restore_from=image)
+        await self.boot(restore_from=image, consume=True)
         self.paused = None
         shutil.rmtree(image, ignore_errors=True)
         log.info("kernel %s resumed", self.id)

@@ -99,6 +99,10 @@ class NoArgs(BaseModel):
     pass
 
 
+class ReconnectArgs(BaseModel):
+    clock: Optional[float] = None  # the host's time: a VM's clock stood still while it was saved
+
+
 class SetupArgs(BaseModel):
     env: Dict[str, str] = {}
     reseed_numpy: bool = True
@@ -106,7 +110,7 @@ class SetupArgs(BaseModel):
 
 OP_ARGS = {
     "ping": NoArgs,  # -> {kernel_alive, kernel_responding, pid, buffered, agent_version}
-    "reconnect": NoArgs,  # after a restore: new kernel sockets, then kernel_info
+    "reconnect": ReconnectArgs,  # after a restore: set the clock, check (or renew) kernel sockets
     "setup": SetupArgs,  # after a restore: set env in agent and kernel, reseed randomness
     "interrupt": NoArgs,  # SIGINT the kernel
     "restart": NoArgs,  # kill and start the kernel again, same sandbox

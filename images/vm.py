@@ -6,7 +6,9 @@ filesystem as the gVisor image (rootfs.py):
   kernel ships as modules; its /init mounts the disks and executes the guest
   agent as PID 1 on the virtio-serial port named ``sandgate``;
 * ``root.ext4``: the root filesystem as a raw ext4 image, the read-only base
-  every VM's qcow2 overlay sits on.
+  every VM's qcow2 root overlay sits on;
+* ``workspace.ext4``: an empty ext4 filesystem, the base of every VM's
+  workspace overlay (so a workspace disk costs only what is written to it).
 
 Named by a hash of this recipe and the root filesystem's image name, built in
 a temporary directory and renamed into place when complete.
@@ -28,22 +30,32 @@ from typing import Callable
 from . import rootfs
 
 RECIPE = {
-    "version": 1,
+    "version": 2,
     "kernel_package": "linux-image-cloud-amd64",
     # Load order matters: each needs the ones before it.
     "modules": ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko", "drivers/virtio/virtio_mmio.ko",
-                "drivers/block/virtio_blk.ko", "drivers/char/virtio_console.ko"],
+                "drivers/block/virtio_blk.ko", "drivers/char/virtio_console.ko",
+                # AF_VSOCK, for hosts with vhost-vsock (qemu) and for Firecracker
+                "net/vmw_vsock/vsock.ko", "net/vmw_vsock/vmw_vsock_virtio_transport_common.ko",
+                "net/vmw_vsock/vmw_vsock_virtio_transport.ko"],
     "root_size": "3G",
+    "workspace_size": "1G",
 }
 
 INIT = """#!/bin/busybox sh
 # sandgate microVM init: disks are vda (root, read-only), vdb (agent), vdc (workspace).
+# Kernel command line: sandgate.transport=serial:/dev/sandgate (default) or vsock:PORT;
+# sandgate.probe=1 only proves the guest reaches userspace (the KVM trial boot).
 B=/bin/busybox
 $B mount -t proc proc /proc; $B mount -t sysfs sys /sys; $B mount -t devtmpfs dev /dev
+T=serial:/dev/sandgate
+for a in $($B cat /proc/cmdline); do
+  case "$a" in sandgate.transport=*) T="${{a#*=}}";; sandgate.probe=1) echo sandgate-probe-ok >/dev/ttyS0; $B poweroff -f;; esac
+done
 {insmods}
 $B mount -o ro /dev/vda /newroot || {{ echo "sandgate-init: cannot mount the root disk" >/dev/ttyS0; $B poweroff -f; }}
 $B mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
-$B mount -o ro /dev/vdb /newroot/opt/sandgate
+$B mount -o ro /dev/vdb /newroot/opt/sandgate || echo "sandgate-init: cannot mount the agent disk" >/dev/ttyS0
 $B mount /dev/vdc /newroot/workspace && $B chown 1000:1000 /newroot/workspace
 for p in /sys/class/virtio-ports/*; do
   [ "$($B cat $p/name)" = sandgate ] && $B ln -sf /dev/$($B basename $p) /dev/sandgate
@@ -51,7 +63,7 @@ done
 $B mount --move /dev /newroot/dev; $B mount --move /proc /newroot/proc; $B mount --move /sys /newroot/sys
 exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 \\
   PYTHONPATH=/opt/sandgate PYTHONDONTWRITEBYTECODE=1 MPLCONFIGDIR=/tmp/matplotlib PYDEVD_DISABLE_FILE_VALIDATION=1 \\
-  /usr/bin/python3 -m sandgate_agent.agent --transport serial:/dev/sandgate --workspace /workspace \\
+  /usr/bin/python3 -m sandgate_agent.agent --transport "$T" --workspace /workspace \\
   --runtime-dir /tmp/sandgate --user 1000
 """
 
@@ -111,6 +123,8 @@ def build(home: Path, progress: Callable[[str], None] = lambda s: print(s, file=
         progress("  writing the ext4 root disk (about 20 s)")
         _run(["truncate", "-s", RECIPE["root_size"], str(tmp / "root.ext4")])
         _run(["mkfs.ext4", "-q", "-F", "-d", str(base), str(tmp / "root.ext4")])
+        _run(["truncate", "-s", RECIPE["workspace_size"], str(tmp / "workspace.ext4")])
+        _run(["mkfs.ext4", "-q", "-F", "-E", "root_owner=1000:1000", str(tmp / "workspace.ext4")])
         shutil.rmtree(tmp / "x")
         shutil.rmtree(dl)
         shutil.rmtree(ird)

@@ -99,11 +99,17 @@ class Driver(abc.ABC):
         return 0
 
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
-        """Save the running state of ``sandbox`` into ``image_dir`` and stop it.
-        The workspace is not part of the image: the caller snapshots it while
-        the sandbox is stopped, so memory and files are of the same instant."""
+        """Save the running state of ``sandbox`` into ``image_dir`` and stop it;
+        if it fails before the sandbox stops, the sandbox runs on untouched.
+        Files in the workspace directory are not part of the image: the caller
+        snapshots them while the sandbox is stopped, so memory and files are
+        of the same instant. A driver whose workspace is a disk image (VMs)
+        moves that disk into ``image_dir`` instead, leaving no file behind."""
         raise SandboxError(f"the {self.name} driver cannot checkpoint")
 
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Sandbox:
-        """Start a new sandbox running from a checkpoint; any number of times."""
+    async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
+        """Start a new sandbox running from a checkpoint, any number of times;
+        ``image_dir`` stays unchanged. With ``consume`` (resuming a pause) the
+        caller removes ``image_dir`` afterwards, so files may be moved out of
+        it; if the restore fails, ``image_dir`` must be left whole."""
         raise SandboxError(f"the {self.name} driver cannot restore")

@@ -221,7 +221,7 @@ class GVisorDriver(Driver):
             raise SandboxError("sandbox did not stop after its checkpoint") from None
         await self.runsc("delete", "--force", sandbox.id)
 
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Sandbox:
+    async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
         if not (image_dir / "checkpoint.img").is_file():
             raise SandboxError(f"checkpoint image missing in {image_dir}")
         return await self.create(spec, restore_from=image_dir)
