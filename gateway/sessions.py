@@ -163,6 +163,7 @@ class Kernel:
             ready.cancel()
             exited.cancel()
             await self.teardown()
+            self.execution_state, self.failure = "dead", why
             raise SandboxError(f"kernel {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         self.execution_state = "idle"
         self._watch = asyncio.ensure_future(self._watch_sandbox(exited))
@@ -179,6 +180,12 @@ class Kernel:
             await self.manager.drivers[self.driver].checkpoint(self.sandbox, image_dir)
         except BaseException:
             if self.sandbox and self.sandbox.running:
+                if self.sandbox.reader is not self.link.reader:
+                    # The driver had to reconnect to the agent (Firecracker resets
+                    # vsock on a snapshot): the link moves to the new stream.
+                    await self.link.close()
+                    self.link = AgentLink(self.sandbox.reader, self.sandbox.writer, self._on_kernel, self._on_event)
+                    await self.link.request("reconnect", {"clock": time.time()}, timeout=30)
                 self._watch = asyncio.ensure_future(self._watch_sandbox(asyncio.ensure_future(self.sandbox.wait())))
             raise
         old = self.link
@@ -358,7 +365,9 @@ class Kernel:
         if channel == "iopub" and b'"status"' in parts[0]:
             try:
                 state = json.loads(parts[3]).get("execution_state")
-                if state and json.loads(parts[0]).get("msg_type") == "status":
+                # ipykernel's own "starting" can arrive after the agent said
+                # ready; starting is the gateway's to say (boot, restart).
+                if state and state != "starting" and json.loads(parts[0]).get("msg_type") == "status":
                     self.execution_state = state
             except ValueError:
                 pass
@@ -536,6 +545,7 @@ class KernelManager:
                 pooled.id, pooled.name, pooled.env, pooled.labels, pooled.expires = \
                     kernel.id, kernel.name, kernel.env, kernel.labels, kernel.expires
                 pooled.workspace_dir.rename(pooled.workspace)
+                pooled.sandbox.spec.workspace = pooled.workspace
                 kernel = pooled
                 kernel.replay.clear()
                 kernel.replay_bytes = 0
@@ -586,10 +596,11 @@ class KernelManager:
             return None
 
     def warm(self) -> None:
-        """Make the template and fill the pool in the background."""
-        for name, driver in self.drivers.items():
-            if driver.can_checkpoint:
-                self._refill_pool(name)
+        """Make the default driver's template and fill its pool in the
+        background; other drivers warm up after their first kernel starts."""
+        default = self.specs.get(self.specs.default).driver
+        if self.drivers[default].can_checkpoint:
+            self._refill_pool(default)
 
     async def template(self, driver: str) -> Optional[Checkpoint]:
         """The checkpoint of a freshly booted kernel that new kernels restore

@@ -400,10 +400,19 @@ class Agent:
         tmp = f"{path}.sandgate-{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as f:
             f.write(payload)
+            f.flush()
+            # On disk before the write is acknowledged: a VM that is killed
+            # keeps what was acknowledged (its page cache dies with it).
+            os.fsync(f.fileno())
         os.chmod(tmp, a.mode)
         if self.user is not None:
             os.chown(tmp, self.user, self.user)
         os.replace(tmp, path)  # readers never see half a file
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
         return {"size": len(payload)}, b""
 
     def makedirs(self, path: str) -> None:

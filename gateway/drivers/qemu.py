@@ -177,11 +177,14 @@ class QemuSandbox(ProcessSandbox):
         self.driver = driver
         self.console = spec.state_dir / "console.log"
         self.overlay = spec.state_dir / "root.qcow2"
-        self.ws_overlay = spec.workspace / "workspace.qcow2"
         self.sockets = socket_dir(driver.home, spec.state_dir)
         self.qmp = QMP(self.sockets / "qmp.sock")
         self.config: Dict[str, Any] = {}  # what a restore must reproduce exactly
         self._stderr: List[str] = []
+
+    @property
+    def ws_overlay(self) -> Path:  # the workspace directory is renamed when a pooled VM is taken
+        return self.spec.workspace / "workspace.qcow2"
 
     async def start(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
         from sandgate_images import vm

@@ -1,0 +1,172 @@
+"""The suite every driver must pass, run against real sandboxes: gVisor
+(runsc) and QEMU microVMs (TCG here). Each driver gets its own gateway; the
+tests run in order on one sandbox per driver, as a user's session would."""
+
+import time
+
+import psutil
+import pytest
+
+from conftest import Gateway, wait_for
+
+DRIVERS = ["gvisor", "qemu"]
+
+
+def ex(gw, sid, code, timeout=120):
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout})
+    assert r.status == 200, r.body
+    return r.json()
+
+
+def create(gw, **body):
+    r = gw.request("POST", "/api/sandboxes", {"driver": gw.driver, **body})
+    assert r.status == 201, r.body
+    return r.json()
+
+
+def host_processes(kernel_id):
+    """The host processes of a sandbox: their command lines name its directory."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(kernel_id in a for a in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
+
+
+@pytest.fixture(scope="module", params=DRIVERS)
+def gw(request, home, tmp_path_factory):
+    if request.param == "qemu":
+        from sandgate_images import vm
+
+        vm.build(home)
+    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
+    g.driver = request.param
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def sb(gw):
+    s = create(gw)
+    yield s["id"]
+    gw.request("DELETE", f"/api/sandboxes/{s['id']}")
+
+
+def test_start_execute_and_files(gw, sb):
+    info = gw.request("GET", f"/api/sandboxes/{sb}").json()
+    assert info["driver"] == gw.driver and info["state"] == "running"
+    out = ex(gw, sb, "import os\nx = 41\nprint(x, os.getuid(), os.getcwd())")
+    assert out["status"] == "ok" and out["stdout"] == "41 1000 /workspace\n"
+    assert gw.request("PUT", f"/api/sandboxes/{sb}/files/data/in.txt", raw=b"from the host").status == 201
+    assert ex(gw, sb, "print(open('data/in.txt').read())")["stdout"] == "from the host\n"
+    ex(gw, sb, "open('out.bin', 'wb').write(bytes(range(256)))")
+    r = gw.request("GET", f"/api/sandboxes/{sb}/files/out.bin")
+    assert r.status == 200 and r.body == bytes(range(256))
+    names = {e["name"] for e in gw.request("GET", f"/api/sandboxes/{sb}/files/").json()["entries"]}
+    assert {"data", "out.bin"} <= names
+    assert gw.request("DELETE", f"/api/sandboxes/{sb}/files/out.bin").status == 204
+    assert gw.request("GET", f"/api/sandboxes/{sb}/files/out.bin").status == 404
+
+
+def test_interrupt_a_running_cell(gw, sb):
+    out = ex(gw, sb, "import time\nfor i in range(600): time.sleep(0.1)", timeout=3)
+    assert out["status"] == "timeout" and out["error"]["ename"] == "KeyboardInterrupt", out
+    assert ex(gw, sb, "print(x)")["stdout"] == "41\n"  # interrupted, not restarted
+
+
+def test_checkpoint_fork_41_42_141_41(gw, sb):
+    ex(gw, sb, "f = open('log.txt', 'w'); f.write('before\\n'); f.flush()")
+    r = gw.request("POST", f"/api/sandboxes/{sb}/checkpoints", {"name": "x41"})
+    assert r.status == 201, r.body
+    cp = r.json()
+    assert cp["sandbox"] == sb and cp["state_bytes"] > 1 << 20
+    assert ex(gw, sb, "x += 1; print(x)")["stdout"] == "42\n"
+    fork = gw.request("POST", f"/api/sandboxes/{sb}/fork", {"checkpoint": cp["id"]})
+    assert fork.status == 201, fork.body
+    fid = fork.json()["id"]
+    assert fork.json()["driver"] == gw.driver
+    out = ex(gw, fid, "x += 100\nf.write('fork\\n'); f.flush()\nprint(x, open('log.txt').read().split())")
+    assert out["stdout"] == "141 ['before', 'fork']\n", out
+    again = gw.request("POST", f"/api/sandboxes/{sb}/fork", {"checkpoint": cp["id"]}).json()["id"]
+    assert ex(gw, again, "print(x, open('log.txt').read().split())")["stdout"] == "41 ['before']\n"
+    assert ex(gw, sb, "print(x, open('log.txt').read().split())")["stdout"] == "42 ['before']\n"
+    # The restored guest's clock is the host's, not the one it was saved with.
+    assert abs(float(ex(gw, again, "import time; print(time.time())")["stdout"]) - time.time()) < 5
+    for s in (fid, again):
+        assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
+        assert host_processes(s) == []
+
+
+def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
+    r = gw.request("POST", f"/api/sandboxes/{sb}/pause", {})
+    assert r.status == 200 and r.json()["state"] == "paused", r.body
+    assert host_processes(sb) == []  # nothing runs while paused
+    out = ex(gw, sb, "x += 1; print(x, open('log.txt').read().split())")  # the next call resumes it
+    assert out["stdout"] == "43 ['before']\n", out
+    assert gw.request("GET", f"/api/sandboxes/{sb}").json()["state"] == "running"
+    assert host_processes(sb)
+
+
+def test_restart_keeps_files_and_drops_variables(gw, sb):
+    assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200
+    out = ex(gw, sb, "print('x' in globals(), open('data/in.txt').read())")
+    assert out["stdout"] == "False from the host\n"
+
+
+def test_output_flood_keeps_the_gateway_responsive(gw, sb):
+    c = gw.connect(sb)
+    mid = c.send("execute_request", {"code": "import sys\nfor i in range(20000): sys.stdout.write('y' * 999 + '\\n')",
+                                     "silent": False, "store_history": False, "user_expressions": {}})
+    assert gw.request("GET", "/api/kernels").status == 200  # while the flood is on
+    got, idle = 0, False
+    while not idle:
+        m = c.recv(180)
+        if m["parent_header"].get("msg_id") != mid:
+            continue
+        if m["msg_type"] == "stream":
+            got += len(m["content"]["text"])
+        idle = m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+    c.close()
+    assert got == 20000 * 1000  # every byte, in order of arrival
+    assert ex(gw, sb, "print(1 + 1)")["stdout"] == "2\n"
+
+
+def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
+    procs = host_processes(sb)
+    assert procs
+    for p in procs:
+        p.kill()
+    info = wait_for(lambda: (lambda i: i if i["execution_state"] == "dead" else None)(
+        gw.request("GET", f"/api/sandboxes/{sb}").json()), timeout=60)
+    assert info["reason"], info  # says why, e.g. "VM was killed (SIGKILL)"
+    r = gw.request("POST", f"/api/sandboxes/{sb}/execute", {"code": "1"})
+    assert r.status in (409, 500) and "dead" in r.json()["message"], r.body
+    assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200  # a new sandbox, same workspace
+    assert ex(gw, sb, "print(open('data/in.txt').read())")["stdout"] == "from the host\n"
+
+
+def test_memory_limit_holds(gw):
+    s = create(gw, limits={"memory_mb": 200})["id"]
+    try:
+        r = gw.request("POST", f"/api/sandboxes/{s}/execute", {"code": "b = bytearray(300 << 20)\nprint('allocated')"})
+        body = r.json()
+        # gVisor's cgroup kills the sandbox; a VM's own kernel refuses the allocation.
+        assert "allocated" not in body.get("stdout", ""), body
+        assert r.status == 200 and body["status"] == "error", body
+        if body["error"]["ename"] != "MemoryError":
+            assert body["error"]["ename"] == "DeadKernelError", body
+            info = wait_for(lambda: (lambda i: i if i["execution_state"] == "dead" else None)(
+                gw.request("GET", f"/api/sandboxes/{s}").json()), timeout=60)
+            assert "memory" in info["reason"] or "killed" in info["reason"], info
+        assert gw.request("GET", "/api").status == 200
+        assert gw.request("POST", f"/api/kernels/{s}/restart").status == 200
+        assert ex(gw, s, "print(1 + 1)")["stdout"] == "2\n"
+    finally:
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
+def test_delete_leaves_nothing_behind(gw, sb):
+    assert gw.request("DELETE", f"/api/sandboxes/{sb}").status == 204
+    assert gw.request("GET", f"/api/sandboxes/{sb}").status == 404
+    assert host_processes(sb) == []
+    assert not (gw.home / "sandboxes" / sb).exists() and not (gw.home / "workspaces" / sb).exists()
