@@ -137,7 +137,17 @@ def cmd_doctor(args) -> int:
         rows.append((f"driver {name}", ok, why))
     qemu = shutil.which("qemu-system-x86_64")
     rows.append(("qemu", bool(qemu), qemu or "qemu-system-x86_64 not found (apt-get install qemu-system-x86)"))
-    rows.append(("kvm", *kvm_usable()))
+    from sandgate_images import vm
+
+    from .drivers.qemu import accel
+
+    if vm.is_built(settings.home) and qemu:
+        mode, why = accel(settings.home, vm.vm_dir(settings.home))  # a trial boot, remembered
+        rows.append(("kvm", mode == "kvm", f"qemu uses {mode}: {why}"))
+    else:
+        ok, why = kvm_usable()
+        rows.append(("kvm", ok, why + ("; build the VM image (`sandgate image build --vm`) for a trial boot"
+                                        if ok is None else "")))
     vsock = os.path.exists("/dev/vhost-vsock")
     rows.append(("vsock", vsock, "/dev/vhost-vsock present" if vsock else "no /dev/vhost-vsock: VMs use virtio-serial"))
     mm = shutil.which("mmdebstrap")
@@ -154,6 +164,10 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.drivers:
+        from .bench_drivers import run as run_drivers
+
+        return run_drivers(args)
     from .bench import run
 
     return run(args)
@@ -190,6 +204,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmark against jupyter-client and jupyter-kernel-gateway")
     b.add_argument("--runs", type=int, default=200, help="execute round trips per target")
     b.add_argument("--output", default="bench.json")
+    b.add_argument("--drivers", help="compare sandbox drivers instead, e.g. gvisor,qemu (boot, memory, "
+                                     "checkpoint, restore, pause, resume)")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
 
