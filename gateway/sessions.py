@@ -142,7 +142,11 @@ class Kernel:
         spec = self.new_spec()
         self.execution_state, self.failure = "starting", None
         driver = self.manager.drivers[self.driver]
-        sandbox = await (driver.restore(spec, restore_from, consume) if restore_from else driver.create(spec))
+        try:
+            sandbox = await (driver.restore(spec, restore_from, consume) if restore_from else driver.create(spec))
+        except BaseException as e:
+            self.execution_state, self.failure = "dead", str(e) or type(e).__name__
+            raise
         self.sandbox = sandbox
         self.link = AgentLink(sandbox.reader, sandbox.writer, self._on_kernel, self._on_event)
         exited = asyncio.ensure_future(sandbox.wait())
@@ -250,7 +254,13 @@ class Kernel:
         if not self.paused:
             return
         image = self.paused
-        await self.boot(restore_from=image, consume=True)
+        try:
+            await self.boot(restore_from=image, consume=True)
+        except BaseException:
+            # The driver left the image whole (Driver.restore): still paused, and
+            # the next call tries again; the reason stays on the sandbox meanwhile.
+            self.execution_state = "paused"
+            raise
         self.paused = None
         shutil.rmtree(image, ignore_errors=True)
         log.info("kernel %s resumed", self.id)
@@ -336,6 +346,8 @@ class Kernel:
         else:
             await asyncio.sleep(0.2)
             self.failure = self.sandbox.failure() if self.sandbox else "sandbox gone"
+            if self.sandbox:  # the reason is kept; its leftovers (state, sockets, overlays) go now
+                await self.sandbox.destroy()
         self.execution_state = "dead"
         log.error("kernel %s: %s", self.id, self.failure)
         self._broadcast("iopub", status_message("dead"))

@@ -139,6 +139,7 @@ def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
     info = wait_for(lambda: (lambda i: i if i["execution_state"] == "dead" else None)(
         gw.request("GET", f"/api/sandboxes/{sb}").json()), timeout=60)
     assert info["reason"], info  # says why, e.g. "VM was killed (SIGKILL)"
+    wait_for(lambda: not (gw.home / "sandboxes" / sb).exists(), timeout=30)  # its leftovers are removed
     r = gw.request("POST", f"/api/sandboxes/{sb}/execute", {"code": "1"})
     assert r.status in (409, 500) and "dead" in r.json()["message"], r.body
     assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200  # a new sandbox, same workspace
