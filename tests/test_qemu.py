@@ -2,14 +2,17 @@
 no network, the KVM trial boot, and the faults only a VM has. The behaviour
 every driver shares is in test_drivers.py."""
 
+import concurrent.futures
 import json
 import os
+import tempfile
+from pathlib import Path
 import time
 
 import psutil
 import pytest
 
-from conftest import Gateway
+from conftest import Gateway, wait_for
 from sandgate.drivers import qemu
 from sandgate.drivers.qemu import QemuDriver
 
@@ -82,6 +85,24 @@ def test_a_checkpoint_is_disk_deltas_and_missing_overlay_is_a_clear_error(vmgw):
     assert qemu_processes(vmgw) == [] and not any((vmgw.home / "sandboxes").iterdir())
 
 
+def test_a_paused_vm_whose_overlay_is_gone_reports_why(vmgw):
+    sid = vmgw.request("POST", "/api/sandboxes", {"driver": "qemu"}).json()["id"]
+    vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "z = 1"})
+    assert vmgw.request("POST", f"/api/sandboxes/{sid}/pause", {}).json()["state"] == "paused"
+    (vmgw.home / "paused" / sid / "root.qcow2").unlink()
+    for _ in range(2):  # each call tries again, and says why it cannot
+        r = vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(z)"})
+        assert r.status == 500 and "root.qcow2 missing" in r.json()["message"], r.body
+        info = vmgw.request("GET", f"/api/sandboxes/{sid}").json()
+        assert info["state"] == "paused" and "root.qcow2 missing" in info["reason"], info
+        assert qemu_processes(vmgw) == [] and not list(Path(tempfile.gettempdir()).glob(
+            f"sgq-*-{qemu._tag(vmgw.home / 'sandboxes' / sid)}"))  # no VM, no sockets
+    assert (vmgw.home / "paused" / sid / "workspace.qcow2").exists()  # what is left of the image stays
+    assert vmgw.request("GET", "/api").status == 200
+    assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    assert not (vmgw.home / "paused" / sid).exists() and not (vmgw.home / "workspaces" / sid).exists()
+
+
 def test_guest_kernel_panic_is_reported_and_cleaned_up(image, home, tmp_path):
     # No init can be found: the guest kernel panics during boot.
     g = vm_gateway(home, tmp_path, SANDGATE_QEMU_APPEND="rdinit=/nonexistent")
@@ -104,6 +125,51 @@ def test_a_guest_that_never_answers_times_out_and_is_cleaned_up(image, home, tmp
         r = g.request("POST", "/api/sandboxes", {"driver": "qemu"})
         assert r.status == 500 and "not ready within 8 s" in r.json()["message"], r.body
         assert time.monotonic() - t0 < 60
+        assert qemu_processes(g) == [] and not any((g.home / "sandboxes").iterdir())
+    finally:
+        g.stop()
+
+
+# A compromised guest owns its kernel: these replace the guest's init with a
+# shell (busybox, from the initramfs) that does the hostile thing.
+def hostile_init(script):
+    return f'rdinit=/bin/busybox -- sh -c "cd /mods; {script}"'
+
+
+MOUNT_DEV = "/bin/busybox mount -t devtmpfs d /dev"
+
+
+def test_a_guest_flooding_its_console_is_bounded(image, home, tmp_path):
+    flood = hostile_init(f"{MOUNT_DEV}; while :; do echo flooding the console {'x' * 200}; done >/dev/ttyS0")
+    g = vm_gateway(home, tmp_path, SANDGATE_QEMU_APPEND=flood, SANDGATE_KERNEL_START_TIMEOUT="40")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            create = pool.submit(g.request, "POST", "/api/sandboxes", {"driver": "qemu"})
+            logs = lambda: list((g.home / "sandboxes").glob("*/console.log*"))  # noqa: E731
+            wait_for(lambda: len(logs()) == 2, timeout=40)  # rotated: over 1 MiB written
+            biggest = 0
+            while not create.done():
+                assert g.request("GET", "/api", timeout=5).status == 200  # responsive under the flood
+                biggest = max(biggest, sum(p.stat().st_size for p in logs() if p.exists()))
+                time.sleep(0.5)
+            r = create.result()
+        assert 1 << 20 < biggest <= (2 << 20) + (64 << 10), biggest
+        assert r.status == 500 and "not ready within 40 s" in r.json()["message"], r.body
+        assert "flooding the console" in r.json()["message"]  # the reason carries the console's tail
+        assert qemu_processes(g) == [] and not any((g.home / "sandboxes").iterdir())
+    finally:
+        g.stop()
+
+
+def test_a_guest_writing_garbage_on_the_agent_stream_is_stopped(image, home, tmp_path):
+    modules = "for m in virtio_ring virtio virtio_mmio virtio_console; do /bin/busybox insmod $m.ko; done"
+    garbage = hostile_init(f"{modules}; {MOUNT_DEV}; /bin/busybox sleep 1; "
+                           "for p in /dev/vport*; do /bin/busybox cat /dev/urandom >$p; done")
+    g = vm_gateway(home, tmp_path, SANDGATE_QEMU_APPEND=garbage)
+    try:
+        r = g.request("POST", "/api/sandboxes", {"driver": "qemu"})
+        assert r.status == 500 and "protocol error from agent" in r.json()["message"], r.body
+        assert g.request("GET", "/api/sandboxes").json() == []
         assert qemu_processes(g) == [] and not any((g.home / "sandboxes").iterdir())
     finally:
         g.stop()

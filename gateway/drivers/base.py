@@ -15,6 +15,8 @@ from typing import Dict, Optional, Tuple
 
 from pydantic import BaseModel, Field
 
+from .console import ConsoleLog
+
 
 class Limits(BaseModel):
     memory_mb: int = Field(1024, ge=64, le=1 << 20)
@@ -70,6 +72,7 @@ class ProcessSandbox(Sandbox):
     """A sandbox that lives exactly as long as one host process (runsc, qemu)."""
 
     proc: Optional[asyncio.subprocess.Process] = None
+    console: Optional[ConsoleLog] = None  # a VM's serial console, read from the process's stdout
 
     @property
     def running(self) -> bool:
@@ -77,7 +80,10 @@ class ProcessSandbox(Sandbox):
 
     async def wait(self) -> int:
         assert self.proc, "sandbox not started"
-        return await self.proc.wait()
+        code = await self.proc.wait()
+        if self.console:
+            await self.console.drained()  # so that failure() sees the guest's last words
+        return code
 
 
 class Driver(abc.ABC):

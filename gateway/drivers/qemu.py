@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .console import ConsoleLog
 
 log = logging.getLogger("sandgate.qemu")
 
@@ -175,7 +176,7 @@ class QemuSandbox(ProcessSandbox):
     def __init__(self, spec: SandboxSpec, driver: "QemuDriver"):
         super().__init__(spec)
         self.driver = driver
-        self.console = spec.state_dir / "console.log"
+        self.console = ConsoleLog(spec.state_dir / "console.log")
         self.overlay = spec.state_dir / "root.qcow2"
         self.sockets = socket_dir(driver.home, spec.state_dir)
         self.qmp = QMP(self.sockets / "qmp.sock")
@@ -208,13 +209,14 @@ class QemuSandbox(ProcessSandbox):
                 await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b",
                                       str(image / "workspace.ext4"), "-F", "raw", str(self.ws_overlay))
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(restore_from), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            *self.argv(restore_from), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        self.console.follow(self.proc.stdout)
         asyncio.ensure_future(self._drain_stderr())
         try:
             await self.qmp.connect()
         except SandboxError:
-            await asyncio.sleep(0.2)
+            await self.console.drained()
             raise SandboxError(f"qemu did not start: {self.failure()}") from None
         if restore_from:
             await self._finish_incoming()
@@ -238,7 +240,9 @@ class QemuSandbox(ProcessSandbox):
         append += " " + os.environ.get("SANDGATE_QEMU_APPEND", "")  # for debugging a guest
         argv = [qemu_path() or "qemu-system-x86_64", "-M", "microvm", "-accel", c["accel"],
                 "-m", str(c["memory_mb"]), "-smp", str(c["cpus"]),
-                "-nodefaults", "-no-user-config", "-display", "none", "-serial", f"file:{self.console}",
+                "-nodefaults", "-no-user-config", "-display", "none",
+                # the console comes to the gateway on a pipe, which bounds what it keeps
+                "-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console",
                 "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "initrd.gz"), "-append", append.strip(),
                 "-drive", f"id=root,file={self.overlay},format=qcow2,if=none", "-device", "virtio-blk-device,drive=root",
                 "-drive", f"id=agent,file={c['agent']},format=raw,if=none,readonly=on",
@@ -324,16 +328,14 @@ class QemuSandbox(ProcessSandbox):
             what = "VM was killed (SIGKILL)"
         else:
             what = f"VM exited with status {code}"
-        try:
-            lines = [ln for ln in self.console.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            lines = []
-        panic = [ln.strip() for ln in lines if "Kernel panic" in ln or "sandgate-init" in ln or "Error" in ln]
+        lines = self.console.lines()
+        panic = [ln for ln in lines if "Kernel panic" in ln or "sandgate-init" in ln or "Error" in ln]
         tail = (panic or lines)[-3:] + [ln for ln in self._stderr if "qemu" in ln][-2:]
         return what + (": " + " | ".join(tail) if tail else "")
 
     async def stop(self) -> None:
         self.qmp.close()
+        self.console.close()
         if self.writer:
             self.writer.close()
         if self.proc and self.proc.returncode is None:
