@@ -53,6 +53,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 VERSION = "1.13.1-fake"
+DIFF_PAGES = (1, 300)  # the pages a Diff snapshot of the fake holds
 DESERIALIZE = "An error occurred when deserializing the json body of a request: "
 
 
@@ -297,6 +298,8 @@ class FakeVM:
     async def do_SnapshotCreateParams(self, body, path, injected):
         if self.state != "Paused":
             raise Fault("Cannot create snapshot: the microVM is not paused")  # the fake's words
+        if body.get("snapshot_type") == "Diff" and not self.machine.get("track_dirty_pages"):
+            raise Fault("Diff snapshots are not allowed on uVMs with dirty page tracking disabled.")
         self.reset_pending = self.vsock is not None  # Firecracker sends TRANSPORT_RESET before writing files
         self.maybe_fail(injected, "PUT /snapshot/create")
         with open(body["snapshot_path"], "w") as f:
@@ -304,6 +307,11 @@ class FakeVM:
                        "machine": self.machine, "note": "placeholder: a fake cannot snapshot a process"}, f)
         with open(body["mem_file_path"], "wb") as f:
             f.truncate(self.machine["mem_size_mib"] << 20)
+            if body.get("snapshot_type") == "Diff":
+                # Firecracker's sparse diff: the dirty pages only. The fake calls two pages dirty.
+                for page in DIFF_PAGES:
+                    f.seek(page * 4096)
+                    f.write(b"dirty page %d\n" % page + b"\0" * (4096 - len(b"dirty page %d\n" % page)))
 
     async def do_SnapshotLoadParams(self, body, path, injected):
         if self.boot_path:

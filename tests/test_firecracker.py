@@ -34,7 +34,8 @@ from conftest import HOME, Gateway, wait_for
 from sandgate.agent_link import AgentLink
 from sandgate.drivers import DRIVERS
 from sandgate.drivers.base import Limits, SandboxError, SandboxSpec
-from sandgate.drivers.firecracker import BOOT_ARGS, FirecrackerDriver, api_call, unix_connect
+from fake_firecracker import DIFF_PAGES
+from sandgate.drivers.firecracker import BOOT_ARGS, FirecrackerDriver, api_call, apply_diff, unix_connect
 from sandgate_agent import protocol as P
 from sandgate_images import vmlinux
 
@@ -255,7 +256,7 @@ def test_fake_boot_sends_the_documented_sequence(tmp_path, fake):
         {"drive_id": "root", "path_on_host": "root.ext4", "is_root_device": True, "is_read_only": True},
         {"drive_id": "agent", "path_on_host": "agent.ext4", "is_root_device": False, "is_read_only": True},
         {"drive_id": "workspace", "path_on_host": "workspace.raw", "is_root_device": False, "is_read_only": False}]
-    assert bodies[4] == {"vcpu_count": 2, "mem_size_mib": 384}
+    assert bodies[4] == {"vcpu_count": 2, "mem_size_mib": 384, "track_dirty_pages": True}  # for Diffs later
     assert bodies[5] == {"guest_cid": 3, "uds_path": "v.sock"}
     assert bodies[6] == {"action_type": "InstanceStart"}
     assert not any("network" in r["path"] for r in got)
@@ -328,11 +329,72 @@ def test_fake_checkpoint_then_restore_is_refused_cleanly(tmp_path, fake):
                               "mem_file_path": "snapshot.mem"}
     loads = got[n_before:]
     assert [f"{r['method']} {r['path']}" for r in loads] == ["PUT /snapshot/load"] * 2  # nothing before it
-    assert loads[0]["body"] == {"snapshot_path": "vmstate", "mem_backend": {"backend_type": "File",
-                                                                           "backend_path": "mem"}, "resume_vm": False}
+    assert loads[0]["body"] == {"snapshot_path": "vmstate", "mem_backend": {"backend_type": "File", "backend_path": "mem"},
+                                "track_dirty_pages": True, "resume_vm": False}
     assert loads[0]["pid"] != loads[1]["pid"]  # a new Firecracker process for each restore
     # A restored VM's next snapshot must not overwrite the files it was loaded from (hard links).
     assert {loads[0]["body"]["snapshot_path"], "mem"}.isdisjoint(got[8]["body"].values())
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["fork-of-a-checkpoint", "resumed-pause"])
+def test_fake_restored_vm_checkpoints_as_a_diff(tmp_path, fake, shared):
+    """A VM that holds the memory file it was loaded from takes a Diff snapshot
+    (dirty pages only), applied onto that memory: onto a copy when a checkpoint
+    shares the file, in place when it is the VM's alone. The fake cannot load a
+    snapshot, so the test puts the loaded memory file in place itself."""
+    async def go():
+        d = driver_for(tmp_path)
+        spec = new_spec(tmp_path, "a", memory_mb=64)
+        sb = await d.create(spec)
+        await read_ready(sb)
+        base = tmp_path / "parent-mem"
+        with open(base, "wb") as f:  # the parent checkpoint's memory: a page pattern to recognise
+            for page in range(64 << 8):
+                f.write(page.to_bytes(4, "little") * 1024)
+        os.chmod(base, 0o444)
+        parent = base.read_bytes()
+        if shared:
+            os.link(base, sb.root / "mem")  # as load() places a checkpoint's memory for a fork
+        else:
+            shutil.copy(base, sb.root / "mem")  # as a resumed pause moved it here
+        image = tmp_path / "image"
+        await d.checkpoint(sb, image)
+        assert not sb.running
+        manifest = json.loads((image / "firecracker.json").read_text())
+        assert manifest["snapshot_type"] == "Diff" and manifest["diff_bytes"] == len(DIFF_PAGES) * 4096
+        mem = (image / "mem").read_bytes()
+        assert len(mem) == len(parent) and (image / "mem").stat().st_mode & 0o222 == 0
+        for page in range(64 << 8):
+            got = mem[page * 4096:(page + 1) * 4096]
+            if page in DIFF_PAGES:
+                assert got.startswith(b"dirty page %d\n" % page), page
+            else:
+                assert got == parent[page * 4096:(page + 1) * 4096], page
+        assert base.read_bytes() == parent  # the parent checkpoint never changes
+        assert (image / "mem").stat().st_ino != base.stat().st_ino
+        await sb.destroy()
+
+    run(go())
+    create = [r for r in requests(fake) if r["path"] == "/snapshot/create"]
+    assert [r["body"]["snapshot_type"] for r in create] == ["Diff"]
+
+
+def test_apply_diff_writes_only_the_data_regions(tmp_path):
+    base, diff = tmp_path / "base", tmp_path / "diff"
+    base.write_bytes(b"b" * (1 << 20))
+    with open(diff, "wb") as f:
+        f.truncate(1 << 20)
+        f.seek(8192)
+        f.write(b"\0" * 4096)  # a dirty page of zeros is data, not a hole: it must be written
+        f.seek(700 << 10)
+        f.write(b"d" * 8192)
+    assert apply_diff(diff, base) == 4096 + 8192
+    got = base.read_bytes()
+    assert got[8192:12288] == b"\0" * 4096 and got[700 << 10:(700 << 10) + 8192] == b"d" * 8192
+    assert got[:8192] == b"b" * 8192 and got[12288:700 << 10] == b"b" * ((700 << 10) - 12288)
+    diff.write_bytes(b"x")
+    with pytest.raises(OSError, match="cannot apply"):
+        apply_diff(diff, base)
 
 
 def test_fake_failed_snapshot_leaves_the_vm_running_with_a_new_stream(tmp_path, fake, monkeypatch):

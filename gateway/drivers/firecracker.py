@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .console import ConsoleLog
 
 AGENT_PORT = 1024
 GUEST_CID = 3  # the first CID a guest may have; every VM has its own vsock device
@@ -141,6 +142,38 @@ def sparse_copy(src: Path, dst: Path) -> None:
         raise OSError(f"cp {src} {dst}: {p.stderr.strip()}")
 
 
+def apply_diff(diff: Path, target: Path) -> int:
+    """Write the data regions of the sparse memory file ``diff`` (a Diff
+    snapshot: dirty pages only, holes elsewhere) over ``target``, the full
+    memory it is relative to; returns the bytes written. Relies on SEEK_DATA,
+    which every local Linux filesystem answers (one that cannot reports the
+    whole file as data, holes would then overwrite pages with zeros)."""
+    written = 0
+    with open(diff, "rb") as src, open(target, "r+b") as dst:
+        fd, end = src.fileno(), os.fstat(src.fileno()).st_size
+        if os.fstat(dst.fileno()).st_size != end:
+            raise OSError(f"a Diff snapshot of {end} bytes cannot apply to {target} "
+                          f"({os.fstat(dst.fileno()).st_size} bytes)")
+        offset = 0
+        while offset < end:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data past offset
+                    break
+                raise
+            offset = os.lseek(fd, start, os.SEEK_HOLE)
+            pos = start
+            while pos < offset:
+                chunk = os.pread(fd, min(offset - pos, 1 << 20), pos)
+                os.pwrite(dst.fileno(), chunk, pos)
+                pos += len(chunk)
+            written += offset - start
+        dst.flush()
+        os.fsync(dst.fileno())
+    return written
+
+
 def move(src: Path, dst: Path) -> None:
     try:
         os.replace(src, dst)
@@ -156,7 +189,7 @@ class FirecrackerSandbox(ProcessSandbox):
         super().__init__(spec)
         self.driver = driver
         self.jailer = jailer_path()
-        self.console = spec.state_dir / "console.log"
+        self.console = ConsoleLog(spec.state_dir / "console.log")
         if self.jailer:
             base = Path(os.environ.get("SANDGATE_FIRECRACKER_CHROOT_BASE") or spec.state_dir / "jail")
             # the jailer names the chroot after the resolved binary: <base>/<exec name>/<id>/root
@@ -191,6 +224,11 @@ class FirecrackerSandbox(ProcessSandbox):
         if self.jailer:
             os.chown(disk, self.driver.uid, self.driver.gid)
 
+    def shares_memory(self) -> bool:
+        """Whether the memory file this VM loaded is also a checkpoint's."""
+        mem = self.root / MEM
+        return mem.is_symlink() or os.lstat(mem).st_nlink > 1
+
     def workspace_disk(self) -> Path:
         """The workspace disk this VM has open, wherever its directory is now."""
         p = self.root / WORKSPACE
@@ -208,14 +246,11 @@ class FirecrackerSandbox(ProcessSandbox):
                     "--", "--api-sock", API_SOCK]
         else:
             argv = [fc, "--api-sock", API_SOCK, "--id", self.id]
-        log = open(self.console, "ab")
-        try:
-            # Firecracker writes the guest's serial console and its own log to stdout/stderr.
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True)
-        finally:
-            log.close()
+        # Firecracker writes the guest's serial console and its own log to stdout/stderr.
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        self.console.follow(self.proc.stdout)
         self.driver.register(self)
         deadline = time.monotonic() + 10
         while not self.api_sock.exists():
@@ -285,8 +320,9 @@ class FirecrackerSandbox(ProcessSandbox):
         for drive_id, path, ro in (("root", ROOT, True), ("agent", AGENT, True), ("workspace", WORKSPACE, False)):
             await self.call("PUT", f"/drives/{drive_id}", {"drive_id": drive_id, "path_on_host": path,
                                                           "is_root_device": drive_id == "root", "is_read_only": ro})
+        # Dirty-page tracking from boot, so that a checkpoint after a restore can be a Diff.
         await self.call("PUT", "/machine-config", {"vcpu_count": max(1, min(32, int(lim.cpus))),
-                                                   "mem_size_mib": lim.memory_mb})
+                                                   "mem_size_mib": lim.memory_mb, "track_dirty_pages": True})
         await self.call("PUT", "/vsock", {"guest_cid": GUEST_CID, "uds_path": VSOCK})
         await self.call("PUT", "/actions", {"action_type": "InstanceStart"})
         (self.spec.state_dir / "disks.json").write_text(json.dumps({ROOT: str(image / ROOT), AGENT: str(agent)}))
@@ -312,13 +348,16 @@ class FirecrackerSandbox(ProcessSandbox):
         self.place_workspace()
         (self.spec.state_dir / "disks.json").write_text(json.dumps(manifest["disks"]))
         await self.launch()
+        # The load clears the dirty bitmap: a Diff snapshot later holds what changed since.
         await self.call("PUT", "/snapshot/load", {"snapshot_path": VMSTATE, "mem_backend": {
-            "backend_type": "File", "backend_path": MEM}, "resume_vm": False}, timeout=SNAPSHOT_TIMEOUT)
+            "backend_type": "File", "backend_path": MEM}, "track_dirty_pages": True, "resume_vm": False},
+            timeout=SNAPSHOT_TIMEOUT)
         await self.call("PATCH", "/vm", {"state": "Resumed"})
         # The snapshot reset the guest's vsock connections; the agent still listens.
         await self.connect_agent(30)
 
     async def stop(self) -> None:
+        self.console.close()
         if self.proc and self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()
@@ -331,10 +370,7 @@ class FirecrackerSandbox(ProcessSandbox):
             what = f"VM was killed (exit status {code}, SIGKILL)"
         else:
             what = f"VM exited with status {code}"
-        try:
-            lines = [ln.strip() for ln in self.console.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            lines = []
+        lines = self.console.lines()
         panic = [ln for ln in lines if "Kernel panic" in ln or "sandgate-init" in ln]
         errors = [ln for ln in lines if "rror" in ln and ln not in panic]
         tail = (panic[-2:] + (errors or lines)[-2:])[-4:]
@@ -442,16 +478,23 @@ class FirecrackerDriver(Driver):
         return sb
 
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
-        """Pause, Full snapshot, stop; then the snapshot and the workspace disk
-        go into image_dir. Until the VM is stopped a failure resumes it. The
-        snapshot resets the guest's vsock connections, so after a failed
+        """Pause, snapshot, stop; then the snapshot and the workspace disk go
+        into image_dir. A VM restored from a snapshot still has the memory
+        file it loaded: its snapshot is a Diff (only the pages written since
+        the load), applied onto a copy of that file, or onto the file itself
+        when nothing else links to it (a resumed pause). A booted VM takes a
+        Full one. Until the VM is stopped a failure resumes it. The snapshot
+        resets the guest's vsock connections, so after a failed
         snapshot/create the resumed VM gets a new agent stream:
         sandbox.reader/writer are replaced and the old stream is closed."""
         assert isinstance(sandbox, FirecrackerSandbox)
         sb = sandbox
         if not sb.running:
             raise SandboxError(f"cannot checkpoint a stopped VM: {sb.failure()}")
-        need = (sb.spec.limits.memory_mb + 64) << 20  # the memory file is as big as guest memory
+        kind = "Diff" if (sb.root / MEM).exists() else "Full"
+        # The memory file is as big as guest memory; a Diff may need a copy of the loaded one beside it.
+        need = ((sb.spec.limits.memory_mb << 1 if kind == "Diff" and sb.shares_memory() else sb.spec.limits.memory_mb)
+                + 64) << 20
         st = os.statvfs(sb.root)
         if st.f_bavail * st.f_frsize < need:
             raise SandboxError(f"not enough disk space for a checkpoint: {st.f_bavail * st.f_frsize >> 20} MB "
@@ -462,7 +505,7 @@ class FirecrackerDriver(Driver):
             await self._resume(sb, reconnect=False)
             raise SandboxError(f"checkpoint failed, the VM runs on: {e}") from None
         try:
-            await sb.call("PUT", "/snapshot/create", {"snapshot_type": "Full", "snapshot_path": NEW_VMSTATE,
+            await sb.call("PUT", "/snapshot/create", {"snapshot_type": kind, "snapshot_path": NEW_VMSTATE,
                                                       "mem_file_path": NEW_MEM}, timeout=SNAPSHOT_TIMEOUT)
         except SandboxError as e:
             for name in (NEW_VMSTATE, NEW_MEM):
@@ -473,16 +516,36 @@ class FirecrackerDriver(Driver):
         image_dir.mkdir(parents=True, exist_ok=True)
         try:
             disks = json.loads((sb.spec.state_dir / "disks.json").read_text())
+            written = (await asyncio.get_running_loop().run_in_executor(None, self._full_memory, sb)
+                       if kind == "Diff" else None)
             for src, name in ((NEW_VMSTATE, VMSTATE), (NEW_MEM, MEM)):
                 move(sb.root / src, image_dir / name)
                 os.chmod(image_dir / name, 0o444)  # shared by every restore of this checkpoint: never written
             move(sb.workspace_disk(), image_dir / WORKSPACE)
             (sb.spec.workspace / WORKSPACE).unlink(missing_ok=True)  # the other name of a hard link
             (image_dir / MANIFEST).write_text(json.dumps({
-                "format": 1, "snapshot_type": "Full", "disks": disks, "jailed": bool(sb.jailer),
-                "mem_size_mib": sb.spec.limits.memory_mb, "created": time.time()}, indent=1))
+                "format": 1, "snapshot_type": kind, "diff_bytes": written, "disks": disks,
+                "jailed": bool(sb.jailer), "mem_size_mib": sb.spec.limits.memory_mb, "created": time.time()},
+                indent=1))
         except (OSError, ValueError) as e:
             raise SandboxError(f"checkpoint failed after the VM stopped: {e}") from None
+
+    @staticmethod
+    def _full_memory(sb: FirecrackerSandbox) -> int:
+        """Turn the Diff in NEW_MEM into a full memory file under the same
+        name: the loaded memory plus the diff's pages. The loaded file is
+        written in place only if it is this VM's alone (a resumed pause moved
+        it here); one shared with a checkpoint (a hard link or symlink to it)
+        is copied first, since that checkpoint must never change."""
+        base, diff, full = sb.root / MEM, sb.root / NEW_MEM, sb.root / "snapshot.full"
+        if sb.shares_memory():
+            sparse_copy(base, full)
+        else:
+            os.replace(base, full)
+        os.chmod(full, 0o644)
+        written = apply_diff(diff, full)
+        os.replace(full, diff)
+        return written
 
     async def _resume(self, sb: FirecrackerSandbox, reconnect: bool) -> None:
         try:
