@@ -154,8 +154,10 @@ def run(args) -> int:
     if failed:
         print(f"sandgate bench: {failed}\n  gateway log: {logdir}", file=sys.stderr)
         return 130 if failed == "interrupted" else 1
-    summary = {d: {k: statistics.median([r[k] for r in rs if r.get(k) is not None] or [0])
-                   for k, _, _ in METRICS} for d, rs in raw.items()}
+    # A metric no round produced stays None, shown as "-" rather than as a measured 0.
+    summary = {d: {k: (statistics.median(vals) if vals else None)
+                   for k, _, _ in METRICS for vals in [[r[k] for r in rs if r.get(k) is not None]]}
+               for d, rs in raw.items()}
     accel = next((ln.split("qemu acceleration: ", 1)[1] for ln in log.splitlines() if "qemu acceleration: " in ln), None)
     report = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "host": {"cpu_count": os.cpu_count(), "python": platform.python_version(),

@@ -178,12 +178,22 @@ class Kernel:
     async def _stop_into(self, image_dir: Path) -> None:
         """Checkpoint the running sandbox into ``image_dir``; it is stopped after.
         If the driver fails first, the sandbox keeps running untouched."""
+        driver = self.manager.drivers[self.driver]
+        if driver.trim_before_checkpoint and self.link:
+            try:
+                freed = (await self.link.request("trim", timeout=30))[0].get("freed_kb", 0)
+                log.debug("kernel %s: %d kB of page cache dropped before the checkpoint", self.id, freed)
+            except AgentError as e:  # only the image's size is at stake
+                log.warning("kernel %s: could not trim before the checkpoint: %s", self.id, e)
         if self._watch:
             self._watch.cancel()
         try:
-            await self.manager.drivers[self.driver].checkpoint(self.sandbox, image_dir)
-        except BaseException:
-            if self.sandbox and self.sandbox.running:
+            await driver.checkpoint(self.sandbox, image_dir)
+        except BaseException as e:
+            if self.sandbox and not self.sandbox.running:  # it stopped for good: say so, and clean up
+                await self.teardown()
+                self._die(f"checkpoint failed after the sandbox stopped: {e}")
+            elif self.sandbox and self.sandbox.running:
                 if self.sandbox.reader is not self.link.reader:
                     # The driver had to reconnect to the agent (Firecracker resets
                     # vsock on a snapshot): the link moves to the new stream.
@@ -224,12 +234,16 @@ class Kernel:
                 await self.boot(restore_from=image, consume=True)  # the sandbox carries on regardless
                 store.discard(cid)
                 raise
+            self.head = cid
             if resume:
-                await self.boot(restore_from=image)
+                try:
+                    await self.boot(restore_from=image)
+                except Exception as e:
+                    self._die(f"checkpoint {cid} was saved, but the sandbox could not carry on from it: {e}")
+                    raise SandboxError(self.failure) from None
             else:
                 self.execution_state = "dead"
                 self.failure = "stopped after its checkpoint"
-            self.head = cid
             log.info("kernel %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
                      time.monotonic() - t0, cp.state_bytes, new)
             return cp
@@ -249,6 +263,15 @@ class Kernel:
     async def resume(self) -> None:
         async with self.lock:
             await self._resume()
+
+    async def _wake(self) -> None:
+        """Resume for a client message that arrived while paused. If that
+        fails, the senders get an error reply rather than waiting forever."""
+        try:
+            await self.resume()
+        except Exception as e:
+            self.held.clear()
+            self._fail_pending(f"it could not be resumed: {e}")
 
     async def _resume(self) -> None:
         if not self.paused:
@@ -348,12 +371,17 @@ class Kernel:
             self.failure = self.sandbox.failure() if self.sandbox else "sandbox gone"
             if self.sandbox:  # the reason is kept; its leftovers (state, sockets, overlays) go now
                 await self.sandbox.destroy()
-        self.execution_state = "dead"
-        log.error("kernel %s: %s", self.id, self.failure)
-        self._broadcast("iopub", status_message("dead"))
-        self._fail_pending(self.failure)
+        self._die(self.failure)
         if self.link:
             await self.link.close()
+
+    def _die(self, why: str) -> None:
+        """The sandbox is gone: the kernel says why, and nobody waits for it."""
+        self.execution_state, self.failure = "dead", why
+        log.error("kernel %s: %s", self.id, why)
+        self._broadcast("iopub", status_message("dead"))
+        self.held.clear()
+        self._fail_pending(why)
 
     async def teardown(self) -> None:
         if self._watch:
@@ -474,7 +502,7 @@ class Kernel:
             if header.get("msg_type") == "execute_request":
                 self.pending[header["msg_id"]] = header
             if self.paused:
-                asyncio.ensure_future(self.resume())
+                asyncio.ensure_future(self._wake())
             return
         if self.execution_state == "dead" or not self.link:
             raise AgentError(f"kernel {self.id} is dead: {self.failure or 'no sandbox'}")

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -109,12 +110,12 @@ def agent_bundle(home: Path) -> Path:
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     dest = home / "agent" / h.hexdigest()[:16]
     if not (dest / "sandgate_agent" / "agent.py").exists():
-        tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
+        tmp = dest.with_name(dest.name + f".tmp-{uuid.uuid4().hex}")  # unique: threads build too
         (tmp / "sandgate_agent").mkdir(parents=True, exist_ok=True)
         for p in files:
             shutil.copy2(p, tmp / "sandgate_agent" / p.name)
-        if dest.exists():
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.rename(tmp, dest)
+        except OSError:  # built meanwhile by another thread or process
+            shutil.rmtree(tmp)
     return dest

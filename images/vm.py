@@ -24,6 +24,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -85,10 +87,21 @@ def _run(cmd, **kw) -> str:
     return p.stdout
 
 
+# Sandboxes start in executor threads: two first starts must not build the same files at once.
+_LOCK = threading.Lock()
+
+
 def build(home: Path, progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> Path:
     final = vm_dir(home)
     if (final / "manifest.json").exists():
         return final
+    with _LOCK:
+        if (final / "manifest.json").exists():
+            return final
+        return _build(home, final, progress)
+
+
+def _build(home: Path, final: Path, progress: Callable[[str], None]) -> Path:
     base = rootfs.build(home, progress=progress) / "rootfs"
     for tool in ("apt-get", "dpkg-deb", "mkfs.ext4", "qemu-img"):
         if not shutil.which(tool):
@@ -129,7 +142,11 @@ def build(home: Path, progress: Callable[[str], None] = lambda s: print(s, file=
         shutil.rmtree(dl)
         shutil.rmtree(ird)
         (tmp / "manifest.json").write_text(json.dumps({"kernel": kernel_pkg, "recipe": RECIPE}))
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "manifest.json").exists():  # else another process built it meanwhile
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"microVM image {final.name} built")
@@ -140,8 +157,10 @@ def agent_disk(home: Path) -> Path:
     """The guest agent bundle as a small read-only ext4 disk, per agent hash."""
     bundle = rootfs.agent_bundle(home)
     disk = bundle / "agent.ext4"
-    if not disk.exists():
-        tmp = disk.with_suffix(f".tmp-{os.getpid()}")
+    with _LOCK:
+        if disk.exists():
+            return disk
+        tmp = disk.with_suffix(f".tmp-{uuid.uuid4().hex}")
         src = tempfile.mkdtemp()
         try:
             shutil.copytree(bundle / "sandgate_agent", Path(src) / "sandgate_agent")
@@ -150,4 +169,5 @@ def agent_disk(home: Path) -> Path:
             os.rename(tmp, disk)
         finally:
             shutil.rmtree(src, ignore_errors=True)
+            tmp.unlink(missing_ok=True)
     return disk

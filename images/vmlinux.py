@@ -20,6 +20,7 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
 import zlib
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -154,7 +155,7 @@ def extract(vmlinuz: Path, dest: Optional[Path] = None) -> Path:
     except OSError:
         pass
     _, elf = find_elf(vmlinuz.read_bytes())
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # unique per thread
     try:
         tmp.write_bytes(elf)
         os.chmod(tmp, 0o644)

@@ -3,8 +3,10 @@
 
 It serves Firecracker's HTTP API on ``--api-sock`` and checks every request
 body strictly against the swagger definitions of Firecracker
-(src/firecracker/swagger/firecracker.yaml at 1.17.0-dev; the fields the
-driver uses are the same in 1.10 - 1.16): unknown fields, missing required
+(src/firecracker/swagger/firecracker.yaml at 1.17.0-dev; the driver sends
+only fields that 1.8 - 1.16 accept too: snapshot/load's dirty-page tracking as
+``enable_diff_snapshots``, not ``track_dirty_pages``, which older releases
+reject as unknown): unknown fields, missing required
 fields, wrong types and enum values, and requests in the wrong state
 (InstanceStart without a boot source, a snapshot load after configuring,
 pre-boot calls after boot, ...) get a 400 ``{"fault_message": ...}``, with

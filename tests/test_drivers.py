@@ -2,12 +2,15 @@
 (runsc) and QEMU microVMs (TCG here). Each driver gets its own gateway; the
 tests run in order on one sandbox per driver, as a user's session would."""
 
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import Gateway, wait_for
+from sandgate.drivers import qemu
 
 DRIVERS = ["gvisor", "qemu"]
 
@@ -171,3 +174,5 @@ def test_delete_leaves_nothing_behind(gw, sb):
     assert gw.request("GET", f"/api/sandboxes/{sb}").status == 404
     assert host_processes(sb) == []
     assert not (gw.home / "sandboxes" / sb).exists() and not (gw.home / "workspaces" / sb).exists()
+    # A VM's QMP and serial sockets live outside the home (a unix socket path is short): gone too.
+    assert not list(Path(tempfile.gettempdir()).glob(f"sgq-*-{qemu._tag(gw.home / 'sandboxes' / sb)}"))

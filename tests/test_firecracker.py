@@ -330,7 +330,7 @@ def test_fake_checkpoint_then_restore_is_refused_cleanly(tmp_path, fake):
     loads = got[n_before:]
     assert [f"{r['method']} {r['path']}" for r in loads] == ["PUT /snapshot/load"] * 2  # nothing before it
     assert loads[0]["body"] == {"snapshot_path": "vmstate", "mem_backend": {"backend_type": "File", "backend_path": "mem"},
-                                "track_dirty_pages": True, "resume_vm": False}
+                                "enable_diff_snapshots": True, "resume_vm": False}
     assert loads[0]["pid"] != loads[1]["pid"]  # a new Firecracker process for each restore
     # A restored VM's next snapshot must not overwrite the files it was loaded from (hard links).
     assert {loads[0]["body"]["snapshot_path"], "mem"}.isdisjoint(got[8]["body"].values())

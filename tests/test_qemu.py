@@ -103,6 +103,30 @@ def test_a_paused_vm_whose_overlay_is_gone_reports_why(vmgw):
     assert not (vmgw.home / "paused" / sid).exists() and not (vmgw.home / "workspaces" / sid).exists()
 
 
+def test_a_failed_resume_loses_nothing_and_answers_waiting_clients(vmgw):
+    sid = vmgw.request("POST", "/api/sandboxes", {"driver": "qemu"}).json()["id"]
+    vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "w = 5\nopen('f.txt', 'w').write('on disk')"})
+    assert vmgw.request("POST", f"/api/sandboxes/{sid}/pause", {}).json()["state"] == "paused"
+    image = vmgw.home / "paused" / sid
+    state = (image / "state.mig").read_bytes()
+    (image / "state.mig").write_bytes(state[:4096])  # qemu starts, then fails to load the VM's state
+    # The resume moved the overlays out of the image before qemu failed: they must be back.
+    r = vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(w)"})
+    assert r.status == 500 and "restoring the VM's state failed" in r.json()["message"], r.body
+    assert sorted(p.name for p in image.iterdir()) == ["root.qcow2", "state.mig", "vm.json", "workspace.qcow2"]
+    assert vmgw.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "paused"
+    # A Jupyter client whose message wakes the paused kernel gets an error reply, not silence.
+    c = vmgw.connect(sid)
+    out = c.execute("print(w)", timeout=120)
+    assert out["reply"]["status"] == "error" and "could not be resumed" in out["reply"]["evalue"], out["reply"]
+    c.close()
+    assert qemu_processes(vmgw) == []
+    (image / "state.mig").write_bytes(state)  # repaired: the next call resumes it, all of it
+    out = vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(w, open('f.txt').read())"}).json()
+    assert out["stdout"] == "5 on disk\n", out
+    assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+
+
 def test_guest_kernel_panic_is_reported_and_cleaned_up(image, home, tmp_path):
     # No init can be found: the guest kernel panics during boot.
     g = vm_gateway(home, tmp_path, SANDGATE_QEMU_APPEND="rdinit=/nonexistent")

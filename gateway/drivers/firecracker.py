@@ -349,8 +349,9 @@ class FirecrackerSandbox(ProcessSandbox):
         (self.spec.state_dir / "disks.json").write_text(json.dumps(manifest["disks"]))
         await self.launch()
         # The load clears the dirty bitmap: a Diff snapshot later holds what changed since.
+        # enable_diff_snapshots, not its newer name track_dirty_pages: every release takes it.
         await self.call("PUT", "/snapshot/load", {"snapshot_path": VMSTATE, "mem_backend": {
-            "backend_type": "File", "backend_path": MEM}, "track_dirty_pages": True, "resume_vm": False},
+            "backend_type": "File", "backend_path": MEM}, "enable_diff_snapshots": True, "resume_vm": False},
             timeout=SNAPSHOT_TIMEOUT)
         await self.call("PATCH", "/vm", {"state": "Resumed"})
         # The snapshot reset the guest's vsock connections; the agent still listens.
@@ -442,7 +443,9 @@ class FirecrackerDriver(Driver):
         self.root_dir.mkdir(parents=True, exist_ok=True)
         entry = {"pid": sb.proc.pid if sb.proc else None, "state_dir": str(sb.spec.state_dir),
                  "jail": str(sb.jail_top) if sb.jail_top else None}
-        (self.root_dir / f"{sb.id}.json").write_text(json.dumps(entry))
+        tmp = self.root_dir / f".{sb.id}.tmp"  # a gateway killed mid-write leaves no half entry
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, self.root_dir / f"{sb.id}.json")
 
     def unregister(self, sb: Sandbox) -> None:
         (self.root_dir / f"{sb.id}.json").unlink(missing_ok=True)
@@ -452,12 +455,15 @@ class FirecrackerDriver(Driver):
         for entry in self.root_dir.glob("*.json") if self.root_dir.is_dir() else []:
             try:
                 info = json.loads(entry.read_text())
+            except (OSError, ValueError):
+                info = {}
+            try:
                 pid = info.get("pid")
                 # only a process that is still this VM's Firecracker (pids get reused)
                 if pid and entry.stem.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
                     n += 1
-            except (OSError, ValueError):
+            except OSError:
                 pass
             for d in (info.get("state_dir"), info.get("jail")):
                 if d:
@@ -514,20 +520,23 @@ class FirecrackerDriver(Driver):
             raise SandboxError(f"checkpoint failed, the VM runs on: {e}") from None
         await sb.stop()
         image_dir.mkdir(parents=True, exist_ok=True)
+        disk = sb.workspace_disk()
         try:
             disks = json.loads((sb.spec.state_dir / "disks.json").read_text())
             written = (await asyncio.get_running_loop().run_in_executor(None, self._full_memory, sb)
                        if kind == "Diff" else None)
-            for src, name in ((NEW_VMSTATE, VMSTATE), (NEW_MEM, MEM)):
-                move(sb.root / src, image_dir / name)
-                os.chmod(image_dir / name, 0o444)  # shared by every restore of this checkpoint: never written
-            move(sb.workspace_disk(), image_dir / WORKSPACE)
-            (sb.spec.workspace / WORKSPACE).unlink(missing_ok=True)  # the other name of a hard link
             (image_dir / MANIFEST).write_text(json.dumps({
                 "format": 1, "snapshot_type": kind, "diff_bytes": written, "disks": disks,
                 "jailed": bool(sb.jailer), "mem_size_mib": sb.spec.limits.memory_mb, "created": time.time()},
                 indent=1))
+            for src, name in ((NEW_VMSTATE, VMSTATE), (NEW_MEM, MEM)):
+                move(sb.root / src, image_dir / name)
+                os.chmod(image_dir / name, 0o444)  # shared by every restore of this checkpoint: never written
+            move(disk, image_dir / WORKSPACE)
+            (sb.spec.workspace / WORKSPACE).unlink(missing_ok=True)  # the other name of a hard link
         except (OSError, ValueError) as e:
+            if (image_dir / WORKSPACE).exists() and not disk.exists():
+                move(image_dir / WORKSPACE, disk)  # the workspace disk is never lost with the checkpoint
             raise SandboxError(f"checkpoint failed after the VM stopped: {e}") from None
 
     @staticmethod

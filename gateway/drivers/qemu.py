@@ -41,6 +41,8 @@ log = logging.getLogger("sandgate.qemu")
 
 AGENT_VSOCK_PORT = 1024
 PROBE_TIMEOUT = 10.0  # a KVM guest reaches userspace in well under a second
+BOOT_TIMEOUT = 120.0  # until a vsock agent listens: guest boot plus Python (the serial socket is qemu's own)
+QMP_TIMEOUT = 30.0
 
 
 def qemu_path() -> Optional[str]:
@@ -151,7 +153,12 @@ class QMP:
     async def _read(self) -> Dict[str, Any]:
         assert self.reader
         while True:
-            line = await asyncio.wait_for(self.reader.readline(), 30)
+            try:
+                line = await asyncio.wait_for(self.reader.readline(), QMP_TIMEOUT)
+            except asyncio.TimeoutError:
+                # A late answer would be taken for the next command's: this connection is done.
+                self.close()
+                raise SandboxError(f"qemu did not answer on QMP within {QMP_TIMEOUT:g} s") from None
             if not line:
                 raise SandboxError("qemu closed its QMP socket")
             msg = json.loads(line)
@@ -160,9 +167,12 @@ class QMP:
 
     async def execute(self, command: str, **arguments: Any) -> Any:
         assert self.writer
-        self.writer.write(json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n")
-        await self.writer.drain()
-        msg = await self._read()
+        try:
+            self.writer.write(json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n")
+            await self.writer.drain()
+            msg = await self._read()
+        except (ConnectionError, OSError):
+            raise SandboxError("qemu closed its QMP socket") from None
         if "error" in msg:
             raise SandboxError(f"qemu {command}: {msg['error'].get('desc', msg['error'])}")
         return msg.get("return")
@@ -220,14 +230,17 @@ class QemuSandbox(ProcessSandbox):
             raise SandboxError(f"qemu did not start: {self.failure()}") from None
         if restore_from:
             await self._finish_incoming()
-        await self._connect_agent()
-        if restore_from:
-            await self.qmp.execute("cont")
+            if self.config["vsock"]:
+                await self.qmp.execute("cont")  # a stopped guest cannot accept a vsock connection
+        await self._connect_agent(30 if restore_from else BOOT_TIMEOUT)
+        if restore_from and not self.config["vsock"]:
+            await self.qmp.execute("cont")  # once the port's host end is connected, so nothing is lost
 
     def argv(self, restore_from: Optional[Path]) -> List[str]:
         c, d = self.config, self.sockets
         image = Path(c["image"])
-        append = "console=ttyS0 quiet panic=-1"
+        # init_on_free: freed pages become zeros, which migration skips (see trim_before_checkpoint)
+        append = "console=ttyS0 quiet panic=-1 init_on_free=1"
         if c["vsock"]:
             append += f" sandgate.transport=vsock:{AGENT_VSOCK_PORT}"
             agent_dev = ["-device", f"vhost-vsock-device,guest-cid={self.cid}"]
@@ -288,15 +301,20 @@ class QemuSandbox(ProcessSandbox):
     async def _finish_incoming(self) -> None:
         end = time.monotonic() + 120
         while True:
-            status = (await self.qmp.execute("query-migrate")).get("status")
+            try:
+                status = (await self.qmp.execute("query-migrate")).get("status")
+            except SandboxError:  # qemu exits when it cannot load the state: its stderr says why
+                await asyncio.wait({asyncio.ensure_future(self.proc.wait())}, timeout=5)
+                await self.console.drained()
+                raise SandboxError(f"restoring the VM's state failed: {self.failure()}") from None
             if status == "completed":
                 return
             if status == "failed" or self.proc.returncode is not None or time.monotonic() > end:
                 raise SandboxError(f"restoring the VM's state failed: {status}; {self.failure()}")
             await asyncio.sleep(0.05)
 
-    async def _connect_agent(self) -> None:
-        end = time.monotonic() + 30
+    async def _connect_agent(self, deadline: float) -> None:
+        end = time.monotonic() + deadline
         while True:
             try:
                 if self.config["vsock"]:
@@ -350,6 +368,7 @@ class QemuSandbox(ProcessSandbox):
 
 class QemuDriver(Driver):
     name = "qemu"
+    trim_before_checkpoint = True  # migration skips zero pages; the guest zeroes what it frees
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]
@@ -384,13 +403,15 @@ class QemuDriver(Driver):
         sb = QemuSandbox(spec, self)
         try:
             await sb.start(restore_from, consume)
-        except (OSError, RuntimeError, SandboxError, asyncio.TimeoutError) as e:
-            await sb.destroy()
-            if consume and restore_from:  # put the consumed overlays back: nothing is lost
-                for src, dst in ((sb.overlay, restore_from / "root.qcow2"), (sb.ws_overlay, restore_from / "workspace.qcow2")):
+        except BaseException as e:  # cancelled too: the VM runs in its own session and would outlive us
+            await sb.stop()
+            if consume and restore_from:  # put the consumed overlays back first: nothing is lost
+                for src, dst in ((sb.overlay, restore_from / "root.qcow2"),
+                                 (sb.ws_overlay, restore_from / "workspace.qcow2")):
                     if src.exists() and not dst.exists():
                         shutil.move(str(src), dst)
-            if isinstance(e, SandboxError):
+            await sb.destroy()
+            if isinstance(e, (SandboxError, asyncio.CancelledError)) or not isinstance(e, Exception):
                 raise
             raise SandboxError(f"could not start the VM: {e}") from None
         return sb
@@ -405,8 +426,8 @@ class QemuDriver(Driver):
             raise SandboxError(f"not enough disk space for a checkpoint: {(st.f_bavail * st.f_frsize) >> 20} MB "
                                f"free in {image_dir.parent}, up to {need >> 20} MB needed")
         qmp = sandbox.qmp
-        await qmp.execute("stop")
         try:
+            await qmp.execute("stop")
             await qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})  # the default throttles
             await qmp.execute("migrate", uri="exec:cat > " + shlex.quote(str(image_dir / "state.mig")))
             end = time.monotonic() + 120
@@ -418,18 +439,26 @@ class QemuDriver(Driver):
                     raise SandboxError(f"saving the VM's state failed: {info.get('error-desc', info.get('status'))}")
                 await asyncio.sleep(0.05)
         except BaseException:
+            (image_dir / "state.mig").unlink(missing_ok=True)
             if sandbox.running:
                 try:
                     await qmp.execute("cont")  # the VM carries on as if nothing happened
                 except SandboxError:
-                    pass
-            (image_dir / "state.mig").unlink(missing_ok=True)
+                    await sandbox.stop()  # not left frozen beyond our control: it is reported dead
             raise
         await sandbox.stop()
-        # The overlays are frozen as of the stop: they are the checkpoint's disks.
-        shutil.move(str(sandbox.overlay), image_dir / "root.qcow2")
-        shutil.move(str(sandbox.ws_overlay), image_dir / "workspace.qcow2")
+        # The overlays are frozen as of the stop: they are the checkpoint's disks. The
+        # manifest goes first; if a move fails, what moved goes back, so no disk is lost.
         (image_dir / "vm.json").write_text(json.dumps(sandbox.config))
+        moves = ((sandbox.overlay, image_dir / "root.qcow2"), (sandbox.ws_overlay, image_dir / "workspace.qcow2"))
+        try:
+            for src, dst in moves:
+                shutil.move(str(src), dst)
+        except OSError as e:
+            for src, dst in moves:
+                if dst.exists() and not src.exists():
+                    shutil.move(str(dst), src)
+            raise SandboxError(f"checkpoint failed after the VM stopped: {e}") from None
 
     async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
         return await self.create(spec, restore_from=image_dir, consume=consume)
