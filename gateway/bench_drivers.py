@@ -9,7 +9,8 @@ driver and round, over the sandbox API:
 * checkpoint after ``x = 41``: time and state size;
 * restore: fork from that checkpoint to the fork's first ``1+1`` result, and
   the fork must see ``x == 41``;
-* pause, and the ``1+1`` that resumes a paused sandbox.
+* pause, and the ``1+1`` that resumes a paused sandbox;
+* the same with a pause in memory (``{"mode": "memory"}``: frozen, not saved).
 
 Medians over ``REPS`` rounds; the ratio column divides by the first driver.
 Under TCG (no usable KVM) qemu numbers are an emulation floor, not KVM's.
@@ -41,6 +42,8 @@ METRICS = [  # key, label, format
     ("restore_s", "restore (fork) to first 1+1 (s)", "{:.2f}"),
     ("pause_s", "pause (s)", "{:.2f}"),
     ("resume_s", "1+1 on a paused sandbox (s)", "{:.2f}"),
+    ("freeze_s", "pause in memory (s)", "{:.3f}"),
+    ("thaw_s", "1+1 on a sandbox paused in memory (s)", "{:.3f}"),
 ]
 IN_MIB = {"rss", "pss", "state_bytes"}
 
@@ -88,6 +91,8 @@ def one_round(t: SandgateTarget, driver: str) -> Dict[str, float]:
     t.stop_kernel(fid)
     _, m["pause_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {}))
     _, m["resume_s"] = timed(lambda: first_result(sid))
+    _, m["freeze_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {"mode": "memory"}))
+    _, m["thaw_s"] = timed(lambda: first_result(sid))
     t.stop_kernel(sid)
     progress(f"{driver}: " + ", ".join(f"{k} {mib(v) if k in IN_MIB else v:.2f}" for k, v in m.items()
                                        if v is not None))

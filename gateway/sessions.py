@@ -106,7 +106,8 @@ class Kernel:
         self.lock = asyncio.Lock()  # one of checkpoint, pause, resume, restart at a time
         self.head: Optional[str] = None  # newest checkpoint in this sandbox's line
         self.origin: Optional[str] = None  # the checkpoint this sandbox was forked from
-        self.paused: Optional[Path] = None  # its running-state image while paused
+        self.paused: Optional[Path] = None  # its running-state image while paused to disk
+        self.frozen: Optional[str] = None  # while paused in memory: the execution state to return to
         self.held: List[tuple] = []  # client messages that arrived while paused
         self.created = utcnow()
         self.labels: Dict[str, str] = {}
@@ -248,11 +249,22 @@ class Kernel:
                      time.monotonic() - t0, cp.state_bytes, new)
             return cp
 
-    async def pause(self) -> None:
+    @property
+    def pause_mode(self) -> Optional[str]:
+        return "disk" if self.paused else "memory" if self.frozen else None
+
+    async def pause(self, mode: str = "disk") -> None:
+        """``disk``: checkpoint and stop, memory freed. ``memory``: the driver
+        freezes the sandbox where it is; resuming takes milliseconds."""
         async with self.lock:
-            if self.paused:
+            if self.paused or (self.frozen and mode == "memory"):
                 return
-            await self._ensure_running()
+            await self._ensure_running()  # a frozen sandbox paused to disk is thawed first
+            if mode == "memory":
+                await self.manager.drivers[self.driver].freeze(self.sandbox)
+                self.frozen, self.execution_state = self.execution_state, "paused"
+                log.info("kernel %s paused in memory", self.id)
+                return
             image = self.manager.settings.home / "paused" / self.id
             shutil.rmtree(image, ignore_errors=True)
             await self._stop_into(image)
@@ -274,6 +286,14 @@ class Kernel:
             self._fail_pending(f"it could not be resumed: {e}")
 
     async def _resume(self) -> None:
+        if self.frozen:
+            await self.manager.drivers[self.driver].thaw(self.sandbox)
+            self.execution_state, self.frozen = self.frozen, None
+            held, self.held = self.held, []
+            for channel, parts in held:
+                self.link.send_kernel(channel, parts)
+            log.info("kernel %s resumed in memory", self.id)
+            return
         if not self.paused:
             return
         image = self.paused
@@ -349,7 +369,7 @@ class Kernel:
             await self._ensure_running()
 
     async def _ensure_running(self) -> None:
-        if self.paused:
+        if self.paused or self.frozen:
             await self._resume()
         if self.execution_state == "dead" or not self.link:
             raise AgentError(f"kernel {self.id} is dead: {self.failure or 'no sandbox'}")
@@ -377,13 +397,19 @@ class Kernel:
 
     def _die(self, why: str) -> None:
         """The sandbox is gone: the kernel says why, and nobody waits for it."""
-        self.execution_state, self.failure = "dead", why
+        self.execution_state, self.failure, self.frozen = "dead", why, None
         log.error("kernel %s: %s", self.id, why)
         self._broadcast("iopub", status_message("dead"))
         self.held.clear()
         self._fail_pending(why)
 
     async def teardown(self) -> None:
+        if self.frozen and self.sandbox:  # not every runtime kills a frozen sandbox cleanly
+            try:
+                await self.manager.drivers[self.driver].thaw(self.sandbox)
+            except SandboxError:
+                pass
+            self.frozen = None
         if self._watch:
             self._watch.cancel()
             self._watch = None
@@ -408,7 +434,10 @@ class Kernel:
                 # ipykernel's own "starting" can arrive after the agent said
                 # ready; starting is the gateway's to say (boot, restart).
                 if state and state != "starting" and json.loads(parts[0]).get("msg_type") == "status":
-                    self.execution_state = state
+                    if self.frozen:  # sent just before the freeze: the state to return to
+                        self.frozen = state
+                    else:
+                        self.execution_state = state
             except ValueError:
                 pass
         if not self.listeners:
@@ -496,12 +525,12 @@ class Kernel:
             self.listeners.remove(conn)
 
     def send(self, channel: str, parts: List[bytes], header: dict) -> None:
-        if self.paused or self.lock.locked() and not self.link:
+        if self.paused or self.frozen or self.lock.locked() and not self.link:
             # Paused, or mid-checkpoint: hold the message; a paused kernel wakes up for it.
             self.held.append((channel, parts))
             if header.get("msg_type") == "execute_request":
                 self.pending[header["msg_id"]] = header
-            if self.paused:
+            if self.paused or self.frozen:
                 asyncio.ensure_future(self._wake())
             return
         if self.execution_state == "dead" or not self.link:
@@ -730,7 +759,7 @@ class KernelManager:
 
     async def interrupt(self, kernel_id: str) -> None:
         kernel = self.get(kernel_id)
-        if kernel.paused:
+        if kernel.paused or kernel.frozen:
             return  # a paused kernel runs nothing
         if not kernel.link or kernel.execution_state == "dead":
             raise AgentError(f"kernel {kernel_id} is dead: {kernel.failure}")

@@ -110,6 +110,30 @@ def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
     assert host_processes(sb)
 
 
+def test_pause_in_memory_stops_the_sandbox_where_it_is(gw, sb):
+    ex(gw, sb, "import threading, time\nticks = 0\ndef _tick():\n    global ticks\n    while True:\n"
+               "        ticks += 1\n        time.sleep(0.01)\nthreading.Thread(target=_tick, daemon=True).start()")
+    ticks = lambda: int(ex(gw, sb, "print(ticks)")["stdout"])  # noqa: E731
+    a = ticks()
+    time.sleep(3)
+    running = ticks() - a  # what it counts in 3 s when it runs
+    a = ticks()
+    r = gw.request("POST", f"/api/sandboxes/{sb}/pause", {"mode": "memory"})
+    assert r.status == 200 and (r.json()["state"], r.json()["pause_mode"]) == ("paused", "memory"), r.body
+    assert host_processes(sb)  # memory kept: its processes stay
+    time.sleep(3)
+    r = gw.request("POST", f"/api/sandboxes/{sb}/resume", {})
+    assert r.status == 200 and r.json()["state"] == "running" and r.json()["pause_mode"] is None, r.body
+    frozen = ticks() - a
+    assert running > 50 and frozen < running / 2, (running, frozen)  # it did not run while frozen
+    # A call on a sandbox paused in memory resumes it, as with a pause to disk.
+    assert gw.request("POST", f"/api/sandboxes/{sb}/pause", {"mode": "memory"}).status == 200
+    assert ex(gw, sb, "print(x)")["stdout"] == "43\n"
+    assert gw.request("GET", f"/api/sandboxes/{sb}").json()["state"] == "running"
+    bad = gw.request("POST", f"/api/sandboxes/{sb}/pause", {"mode": "swap"})
+    assert bad.status == 400 and "mode" in bad.json()["message"], bad.body
+
+
 def test_restart_keeps_files_and_drops_variables(gw, sb):
     assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200
     out = ex(gw, sb, "print('x' in globals(), open('data/in.txt').read())")

@@ -397,6 +397,31 @@ def test_apply_diff_writes_only_the_data_regions(tmp_path):
         apply_diff(diff, base)
 
 
+def test_fake_pause_in_memory_is_patch_vm(tmp_path, fake):
+    async def go():
+        d = driver_for(tmp_path)
+        sb = await d.create(new_spec(tmp_path, "a"))
+        try:
+            await read_ready(sb)
+            n = len(requests(fake))
+            link = AgentLink(sb.reader, sb.writer, lambda ch, parts: None, lambda ev: None)
+            await d.freeze(sb)
+            asked = asyncio.ensure_future(link.request("ping", timeout=60))
+            await asyncio.sleep(2)
+            assert not asked.done()  # frozen: the agent does not answer
+            await d.thaw(sb)
+            assert (await asked)[0]["kernel_alive"] is True  # and answers once thawed
+            await link.close()
+            return n
+        finally:
+            await sb.destroy()
+
+    n = run(go())
+    got = requests(fake)[n:]
+    assert [(r["method"], r["path"], r["body"]) for r in got] == [
+        ("PATCH", "/vm", {"state": "Paused"}), ("PATCH", "/vm", {"state": "Resumed"})]
+
+
 def test_fake_failed_snapshot_leaves_the_vm_running_with_a_new_stream(tmp_path, fake, monkeypatch):
     monkeypatch.setenv("FAKE_FIRECRACKER_FAIL", "PUT /snapshot/create")
 

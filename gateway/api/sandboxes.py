@@ -8,7 +8,7 @@ there, reachable through /api/kernels/{id}/channels.
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +49,12 @@ class Empty(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # disk: checkpoint and stop (memory freed, resume ~1 s); memory: frozen in place (resume in ms)
+    mode: Literal["disk", "memory"] = "disk"
+
+
 class Output(BaseModel):
     type: str  # stream | execute_result | display_data | error
     name: Optional[str] = None
@@ -71,6 +77,7 @@ class ExecuteResult(BaseModel):
 class SandboxModel(BaseModel):
     id: str
     state: str  # starting | running | paused | dead
+    pause_mode: Optional[str] = None  # disk | memory, while paused
     execution_state: str
     driver: str
     kernel_id: str
@@ -91,7 +98,8 @@ def sandbox_model(kernel) -> dict:
     if kernel.origin:
         cp = kernel.manager.checkpoints.get(kernel.origin)
         parent = {"sandbox": cp.sandbox, "checkpoint": cp.id}
-    return SandboxModel(id=kernel.id, state=state, execution_state=kernel.execution_state, driver=kernel.driver,
+    return SandboxModel(id=kernel.id, state=state, pause_mode=kernel.pause_mode,
+                        execution_state=kernel.execution_state, driver=kernel.driver,
                         kernel_id=kernel.id, runtime_id=kernel.sandbox.id if kernel.sandbox else None, parent=parent, head=kernel.head, labels=kernel.labels,
                         created=m["created"], last_activity=m["last_activity"], expires=m.get("expires"),
                         reason=m.get("reason")).model_dump()
@@ -180,8 +188,11 @@ class ExecuteHandler(SandboxBase):
 class ActionHandler(SandboxBase):
     async def post(self, sid, action):
         kernel = self.kernel(sid)
-        self.body(Empty)  # no fields, but malformed JSON is still a 400
-        await self.guarded(kernel.pause() if action == "pause" else kernel.resume())
+        if action == "pause":
+            await self.guarded(kernel.pause(self.body(PauseRequest).mode))
+        else:
+            self.body(Empty)  # no fields, but malformed JSON is still a 400
+            await self.guarded(kernel.resume())
         self.reply(sandbox_model(kernel))
 
 
@@ -277,7 +288,7 @@ class OpenAPIHandler(APIHandler):
 
 
 def openapi() -> dict:
-    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest]
+    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest]
     defs = {}
     for m in models:
         schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -310,7 +321,8 @@ def openapi() -> dict:
             "parameters": sid, "requestBody": body("ExecuteRequest"),
             "summary": "Run code; with Accept: text/event-stream, `output` events as they happen, then `result`",
             "responses": resp(200, "ExecuteResult")}},
-        "/api/sandboxes/{id}/pause": {"post": {"parameters": sid, "responses": resp(200, "SandboxModel")}},
+        "/api/sandboxes/{id}/pause": {"post": {"parameters": sid, "requestBody": body("PauseRequest"),
+                                               "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/resume": {"post": {"parameters": sid, "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/checkpoints": {
             "get": {"parameters": sid, "responses": resp(200)},

@@ -116,6 +116,15 @@ class Driver(abc.ABC):
         moves that disk into ``image_dir`` instead, leaving no file behind."""
         raise SandboxError(f"the {self.name} driver cannot checkpoint")
 
+    async def freeze(self, sandbox: Sandbox) -> None:
+        """Stop the sandbox where it is, memory and processes kept: a pause
+        that ``thaw`` ends in milliseconds (a checkpoint pause frees memory,
+        this one frees only the CPU)."""
+        raise SandboxError(f"the {self.name} driver cannot pause in memory")
+
+    async def thaw(self, sandbox: Sandbox) -> None:
+        raise SandboxError(f"the {self.name} driver cannot pause in memory")
+
     async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
         """Start a new sandbox running from a checkpoint, any number of times;
         ``image_dir`` stays unchanged. With ``consume`` (resuming a pause) the

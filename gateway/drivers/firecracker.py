@@ -568,6 +568,14 @@ class FirecrackerDriver(Driver):
             await sb.stop()  # neither paused forever nor unreachable
             raise SandboxError(f"checkpoint failed and the VM could not be resumed, so it was stopped: {e}") from None
 
+    async def freeze(self, sandbox: Sandbox) -> None:
+        assert isinstance(sandbox, FirecrackerSandbox)
+        await sandbox.call("PATCH", "/vm", {"state": "Paused"})
+
+    async def thaw(self, sandbox: Sandbox) -> None:
+        assert isinstance(sandbox, FirecrackerSandbox)
+        await sandbox.call("PATCH", "/vm", {"state": "Resumed"})
+
     async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
         missing = [n for n in (MANIFEST, VMSTATE, MEM, WORKSPACE) if not (image_dir / n).exists()]
         if missing:

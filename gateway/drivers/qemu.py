@@ -463,6 +463,14 @@ class QemuDriver(Driver):
     async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
         return await self.create(spec, restore_from=image_dir, consume=consume)
 
+    async def freeze(self, sandbox: Sandbox) -> None:
+        assert isinstance(sandbox, QemuSandbox)
+        await sandbox.qmp.execute("stop")
+
+    async def thaw(self, sandbox: Sandbox) -> None:
+        assert isinstance(sandbox, QemuSandbox)
+        await sandbox.qmp.execute("cont")
+
     async def reap(self) -> int:
         """Kill VMs an earlier gateway process on this home left running."""
         name = f"sandgate-{_tag(self.home)}".encode()
