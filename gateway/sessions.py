@@ -134,7 +134,8 @@ class Kernel:
         s = self.manager.settings
         return SandboxSpec(id=f"sg-{self.id}-{uuid.uuid4().hex[:6]}", rootfs=self.manager.rootfs(),
                            agent_dir=self.manager.agent_dir(), workspace=self.workspace,
-                           state_dir=s.home / "sandboxes" / self.id, env=self.env, limits=self.limits)
+                           state_dir=s.home / "sandboxes" / self.id, env=self.env, limits=self.limits,
+                           workspace_seed=self.manager.checkpoints.state_dir(self.head) if self.head else None)
 
     async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
         """Start the sandbox, cold or from a checkpoint image (``consume``: the

@@ -127,6 +127,23 @@ def test_a_failed_resume_loses_nothing_and_answers_waiting_clients(vmgw):
     assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
 
 
+def test_a_restart_finds_the_workspace_disk_in_the_newest_checkpoint(vmgw):
+    """A checkpoint takes a VM's workspace disk with it; if the sandbox dies
+    before it carries on from the checkpoint (a failed restore), the disk
+    exists only there, and a restart must start from it, not from empty."""
+    sid = vmgw.request("POST", "/api/sandboxes", {"driver": "qemu"}).json()["id"]
+    vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "open('kept.txt', 'w').write('in the checkpoint')"})
+    assert vmgw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).status == 201
+    for p in qemu_processes(vmgw):
+        p.kill()
+    wait_for(lambda: vmgw.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "dead", timeout=60)
+    (vmgw.home / "workspaces" / sid / "workspace.qcow2").unlink()  # as after a restore that failed
+    assert vmgw.request("POST", f"/api/kernels/{sid}/restart").status == 200
+    out = vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(open('kept.txt').read())"}).json()
+    assert out["stdout"] == "in the checkpoint\n", out
+    assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+
+
 def test_guest_kernel_panic_is_reported_and_cleaned_up(image, home, tmp_path):
     # No init can be found: the guest kernel panics during boot.
     g = vm_gateway(home, tmp_path, SANDGATE_QEMU_APPEND="rdinit=/nonexistent")

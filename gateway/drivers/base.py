@@ -31,6 +31,9 @@ class SandboxSpec(BaseModel):
     workspace: Path  # host directory, the sandbox's only writable persistent storage
     state_dir: Path  # driver-private files for this sandbox
     env: Dict[str, str] = {}  # exactly what the sandbox sees, beyond the base variables
+    # The sandbox's newest checkpoint image. A VM driver, whose workspace is a disk that a
+    # checkpoint takes with it, starts a cold boot from that image's disk if the workspace has none.
+    workspace_seed: Optional[Path] = None
     limits: Limits = Limits()
 
 

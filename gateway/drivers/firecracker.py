@@ -308,7 +308,9 @@ class FirecrackerSandbox(ProcessSandbox):
         self.prepare()
         disk = self.spec.workspace / WORKSPACE
         if not disk.exists():  # first start; a cold restart keeps the disk and its files
-            await loop.run_in_executor(None, sparse_copy, image / "workspace.ext4", disk)
+            seed = self.spec.workspace_seed and self.spec.workspace_seed / WORKSPACE
+            await loop.run_in_executor(None, sparse_copy, seed if seed and seed.is_file() else
+                                       image / "workspace.ext4", disk)
         for src, name in ((kernel, KERNEL), (image / INITRD, INITRD), (image / ROOT, ROOT), (agent, AGENT)):
             self.place(src, name)
         self.place_workspace()

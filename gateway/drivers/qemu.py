@@ -216,8 +216,10 @@ class QemuSandbox(ProcessSandbox):
             await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image / "root.ext4"),
                                   "-F", "raw", str(self.overlay))
             if not self.ws_overlay.exists():  # a restart keeps the workspace
-                await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b",
-                                      str(image / "workspace.ext4"), "-F", "raw", str(self.ws_overlay))
+                seed = self.spec.workspace_seed and self.spec.workspace_seed / "workspace.qcow2"
+                base, fmt = (seed, "qcow2") if seed and seed.is_file() else (image / "workspace.ext4", "raw")
+                await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", fmt,
+                                      str(self.ws_overlay))
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv(restore_from), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
