@@ -181,12 +181,6 @@ class Kernel:
         """Checkpoint the running sandbox into ``image_dir``; it is stopped after.
         If the driver fails first, the sandbox keeps running untouched."""
         driver = self.manager.drivers[self.driver]
-        if driver.trim_before_checkpoint and self.link:
-            try:
-                freed = (await self.link.request("trim", timeout=30))[0].get("freed_kb", 0)
-                log.debug("kernel %s: %d kB of page cache dropped before the checkpoint", self.id, freed)
-            except AgentError as e:  # only the image's size is at stake
-                log.warning("kernel %s: could not trim before the checkpoint: %s", self.id, e)
         if self._watch:
             self._watch.cancel()
         try:

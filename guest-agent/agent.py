@@ -50,18 +50,6 @@ def as_user(uid: int | None) -> dict:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
-def _meminfo(field: str) -> int:
-    """A /proc/meminfo figure in kB (0 where there is none, as under gVisor)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def log(*args) -> None:
     print("sandgate-agent:", *args, file=sys.stderr, flush=True)
 
@@ -384,20 +372,6 @@ class Agent:
         if reply.get("status") != "ok":
             raise RuntimeError(f"setup failed in the kernel: {reply.get('ename')}: {reply.get('evalue')}")
         return {}, b""
-
-    async def op_trim(self, a, _):
-        """Before a VM is saved: drop the clean page cache. The VM kernel runs
-        with init_on_free=1, so freed pages are zeros, which a migration
-        stream skips: the checkpoint holds what the guest uses, not every file
-        it ever read. Dirty pages are written back first, so nothing is lost."""
-        def drop() -> int:
-            before = _meminfo("MemFree")
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-            return max(0, _meminfo("MemFree") - before)
-
-        return {"freed_kb": await asyncio.get_running_loop().run_in_executor(None, drop)}, b""
 
     async def op_interrupt(self, a, _):
         self.kernel.interrupt()

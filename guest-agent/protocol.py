@@ -119,7 +119,6 @@ OP_ARGS = {
     "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
     "file_delete": PathArgs,
     "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr
-    "trim": NoArgs,  # before a VM's checkpoint: sync and drop the page cache -> {freed_kb}
 }
 
 

@@ -92,9 +92,6 @@ class ProcessSandbox(Sandbox):
 class Driver(abc.ABC):
     name: str = ""
     can_checkpoint: bool = True  # whether checkpoint/restore (and so warm start) are implemented
-    # Ask the agent to drop the guest's page cache before a checkpoint: in a VM
-    # whose kernel zeroes freed pages, that shrinks the saved memory to what is used.
-    trim_before_checkpoint: bool = False
 
     @classmethod
     @abc.abstractmethod

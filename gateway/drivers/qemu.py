@@ -241,8 +241,7 @@ class QemuSandbox(ProcessSandbox):
     def argv(self, restore_from: Optional[Path]) -> List[str]:
         c, d = self.config, self.sockets
         image = Path(c["image"])
-        # init_on_free: freed pages become zeros, which migration skips (see trim_before_checkpoint)
-        append = "console=ttyS0 quiet panic=-1 init_on_free=1"
+        append = "console=ttyS0 quiet panic=-1"
         if c["vsock"]:
             append += f" sandgate.transport=vsock:{AGENT_VSOCK_PORT}"
             agent_dev = ["-device", f"vhost-vsock-device,guest-cid={self.cid}"]
@@ -370,7 +369,6 @@ class QemuSandbox(ProcessSandbox):
 
 class QemuDriver(Driver):
     name = "qemu"
-    trim_before_checkpoint = True  # migration skips zero pages; the guest zeroes what it frees
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]
