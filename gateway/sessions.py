@@ -181,6 +181,11 @@ class Kernel:
         """Checkpoint the running sandbox into ``image_dir``; it is stopped after.
         If the driver fails first, the sandbox keeps running untouched."""
         driver = self.manager.drivers[self.driver]
+        if driver.sync_before_checkpoint and self.link:
+            try:
+                await self.link.request("sync", timeout=60)
+            except AgentError as e:  # the memory image still holds what was not flushed
+                log.warning("kernel %s: the guest could not flush its disks before the checkpoint: %s", self.id, e)
         if self._watch:
             self._watch.cancel()
         try:

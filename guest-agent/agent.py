@@ -373,6 +373,10 @@ class Agent:
             raise RuntimeError(f"setup failed in the kernel: {reply.get('ename')}: {reply.get('evalue')}")
         return {}, b""
 
+    async def op_sync(self, a, _):
+        await asyncio.get_running_loop().run_in_executor(None, os.sync)
+        return {}, b""
+
     async def op_interrupt(self, a, _):
         self.kernel.interrupt()
         return {}, b""

@@ -119,6 +119,7 @@ OP_ARGS = {
     "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
     "file_delete": PathArgs,
     "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr
+    "sync": NoArgs,  # flush every file system's dirty pages to disk (before a VM's disk is checkpointed)
 }
 
 

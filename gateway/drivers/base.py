@@ -92,6 +92,9 @@ class ProcessSandbox(Sandbox):
 class Driver(abc.ABC):
     name: str = ""
     can_checkpoint: bool = True  # whether checkpoint/restore (and so warm start) are implemented
+    # The workspace is a disk the checkpoint takes with it (VMs): the guest flushes
+    # its writes first, so that disk is whole on its own (a restart may start from it).
+    sync_before_checkpoint: bool = False
 
     @classmethod
     @abc.abstractmethod

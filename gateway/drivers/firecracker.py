@@ -392,6 +392,7 @@ class FirecrackerSandbox(ProcessSandbox):
 class FirecrackerDriver(Driver):
     name = "firecracker"
     can_checkpoint = True
+    sync_before_checkpoint = True
 
     def __init__(self, root_dir: str):
         self.root_dir = Path(root_dir)  # the registry of running VMs, for reap()

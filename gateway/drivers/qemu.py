@@ -369,6 +369,7 @@ class QemuSandbox(ProcessSandbox):
 
 class QemuDriver(Driver):
     name = "qemu"
+    sync_before_checkpoint = True
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]
