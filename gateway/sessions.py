@@ -822,8 +822,9 @@ class KernelManager:
                     continue
                 idle = (now - k.last_activity).total_seconds()
                 pause_after = self.settings.pause_idle_timeout
-                if pause_after and not k.paused and k.execution_state == "idle" and idle > pause_after \
-                        and not k.lock.locked():
+                # A sandbox paused in memory still holds it: idle long enough, it goes to disk too.
+                was_idle = k.execution_state == "idle" or k.frozen == "idle"
+                if pause_after and not k.paused and was_idle and idle > pause_after and not k.lock.locked():
                     log.info("pausing kernel %s: idle %.0f s", k.id, idle)
                     try:
                         await k.pause()

@@ -138,6 +138,10 @@ def test_idle_sandboxes_pause_themselves(home, tmp_path):
         ex(g, sid, "z = 99")
         wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "paused", timeout=30)
         assert ex(g, sid, "print(z)")["stdout"] == "99\n"
+        # One paused in memory still holds its memory: idle, it goes to disk too.
+        assert g.request("POST", f"/api/sandboxes/{sid}/pause", {"mode": "memory"}).json()["pause_mode"] == "memory"
+        wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["pause_mode"] == "disk", timeout=30)
+        assert ex(g, sid, "print(z)")["stdout"] == "99\n"
     finally:
         g.stop()
 
