@@ -173,6 +173,10 @@ class Kernel:
             raise SandboxError(f"kernel {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         self.execution_state = "idle"
         self._watch = asyncio.ensure_future(self._watch_sandbox(exited))
+        self._send_held()
+
+    def _send_held(self) -> None:
+        """What clients sent while the sandbox was paused or being checkpointed."""
         held, self.held = self.held, []
         for channel, parts in held:
             self.link.send_kernel(channel, parts)
@@ -289,9 +293,7 @@ class Kernel:
         if self.frozen:
             await self.manager.drivers[self.driver].thaw(self.sandbox)
             self.execution_state, self.frozen = self.frozen, None
-            held, self.held = self.held, []
-            for channel, parts in held:
-                self.link.send_kernel(channel, parts)
+            self._send_held()
             log.info("kernel %s resumed in memory", self.id)
             return
         if not self.paused:

@@ -502,8 +502,8 @@ class FirecrackerDriver(Driver):
             raise SandboxError(f"cannot checkpoint a stopped VM: {sb.failure()}")
         kind = "Diff" if (sb.root / MEM).exists() else "Full"
         # The memory file is as big as guest memory; a Diff may need a copy of the loaded one beside it.
-        need = ((sb.spec.limits.memory_mb << 1 if kind == "Diff" and sb.shares_memory() else sb.spec.limits.memory_mb)
-                + 64) << 20
+        copies = 2 if kind == "Diff" and sb.shares_memory() else 1
+        need = (sb.spec.limits.memory_mb * copies + 64) << 20
         st = os.statvfs(sb.root)
         if st.f_bavail * st.f_frsize < need:
             raise SandboxError(f"not enough disk space for a checkpoint: {st.f_bavail * st.f_frsize >> 20} MB "

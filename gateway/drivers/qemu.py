@@ -412,7 +412,7 @@ class QemuDriver(Driver):
                     if src.exists() and not dst.exists():
                         shutil.move(str(src), dst)
             await sb.destroy()
-            if isinstance(e, (SandboxError, asyncio.CancelledError)) or not isinstance(e, Exception):
+            if isinstance(e, SandboxError) or not isinstance(e, Exception):  # cancellation included
                 raise
             raise SandboxError(f"could not start the VM: {e}") from None
         return sb
