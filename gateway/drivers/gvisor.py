@@ -1,7 +1,10 @@
 """gVisor sandboxes via runsc: one OCI bundle and one `runsc run` per sandbox.
 
 The agent's stream is the sandbox's stdin/stdout. The image root is mounted
-read-only, the workspace read-write, /tmp is a tmpfs, there is no network
+read-only, the workspace read-write (a plain directory, or a Workspace's ext4
+image mounted nosuid,nodev: the gofer follows that mount, and statfs of
+/workspace inside passes through to it, so it shows the quota), /tmp is a
+tmpfs, there is no network
 (`--network=none`, loopback only) and no host path beyond those. Limits go to
 the OCI `linux.resources` block, which runsc enforces with cgroups.
 
@@ -21,12 +24,16 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from ..workspace import WorkspaceError, sandbox_uid
 from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
 
 log = logging.getLogger("sandgate.gvisor")
 
-# uid/gid of the kernel and of commands: not root, even inside the sandbox.
-SANDBOX_UID = 1000
+# The kernel and commands run as sandbox_uid() (uid and gid), not root even
+# inside the sandbox: a host uid that no account has, since the gofer creates
+# workspace files on the host with the sandbox's uid unchanged. It has no
+# passwd entry inside either: USER and LOGNAME name it, HOME is /workspace.
+SANDBOX_USER = "sandbox"
 AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL"]
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -45,7 +52,7 @@ def runsc_path() -> Optional[str]:
 
 
 def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
-    env = {**BASE_ENV, **spec.env}
+    env = {**BASE_ENV, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, **spec.env}
     lim = spec.limits
     tmpfs = ["nosuid", "nodev", "mode=1777"]
     return {
@@ -53,7 +60,7 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
         "process": {
             "terminal": False,
             # The agent is root inside the sandbox with only the capabilities it
-            # needs to run the kernel as SANDBOX_UID and keep the workspace
+            # needs to run the kernel as sandbox_uid() and keep the workspace
             # files owned by it; the kernel and commands hold none.
             "user": {"uid": 0, "gid": 0},
             "args": argv,
@@ -97,10 +104,12 @@ class GVisorSandbox(ProcessSandbox):
     async def start(self, restore_from: Optional[Path] = None) -> None:
         bundle = self.spec.state_dir / "bundle"
         bundle.mkdir(parents=True, exist_ok=True)
+        # The workspace is a plain directory or a Workspace's mount point (then it exists).
         self.spec.workspace.mkdir(parents=True, exist_ok=True)
-        os.chown(self.spec.workspace, SANDBOX_UID, SANDBOX_UID) if os.geteuid() == 0 else None
+        uid = sandbox_uid()
+        os.chown(self.spec.workspace, uid, uid) if os.geteuid() == 0 else None
         argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
-                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(SANDBOX_UID)]
+                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(uid)]
         (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
         verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]
         self.proc = await asyncio.create_subprocess_exec(
@@ -179,7 +188,7 @@ class GVisorDriver(Driver):
         sb = GVisorSandbox(spec, self)
         try:
             await sb.start(restore_from)
-        except OSError as e:
+        except (OSError, WorkspaceError) as e:
             await sb.destroy()
             raise SandboxError(f"could not start runsc: {e}") from None
         return sb
