@@ -58,8 +58,9 @@ def test_sandbox_uid_belongs_to_nobody_and_stays(monkeypatch):
     monkeypatch.setenv("SANDGATE_SANDBOX_UID", "0")
     with pytest.raises(WorkspaceError):
         sandbox_uid()
-    monkeypatch.setenv("SANDGATE_SANDBOX_UID", str(uid - 7))
-    assert sandbox_uid() == uid - 7
+    other = next(u for u in W.UID_RANGE if u != uid and W._unused(u))
+    monkeypatch.setenv("SANDGATE_SANDBOX_UID", str(other))
+    assert sandbox_uid() == other
 
 
 def test_create_is_an_empty_sparse_image_mounted_nosuid_nodev(root):
