@@ -7,25 +7,70 @@ one file. A checkpoint is listed only once its record is written, and the
 record is written last (atomically, by rename), so a checkpoint interrupted
 by a crash, a full disk or a failing driver is never listed; its leftovers
 are removed by ``sweep``.
+
+What a snapshot keeps and what it never does:
+
+- Regular files only. Symlinks are skipped and never followed (they could
+  point anywhere on the host); device files, fifos and sockets are skipped.
+  Directories are recreated as needed to hold the files, mode 0700; empty
+  directories are not kept.
+- Holes: sparse files are read and written by their data extents
+  (SEEK_DATA/SEEK_HOLE), so a 4 GiB ``truncate`` costs no 4 GiB on the host,
+  neither in the blob store nor in a materialised workspace. A blob is named
+  by the sha256 of the file's logical content (holes read as zeros), so a
+  sparse and a dense copy of the same bytes share one blob.
+- Modes: ``mode & 0o777`` only; setuid, setgid and sticky bits are never
+  stored or materialised.
+- Names are bytes: a name that is not valid UTF-8 is kept in the manifest as
+  ``"b64:" + urlsafe-base64`` with ``FileEntry.b64`` set, and comes back
+  byte-exact.
+- Bounds (``SnapshotLimits``): file count and logical bytes are checked
+  before anything is read, new stored bytes before anything is written;
+  past one, ``SnapshotTooLarge`` names the bound and what was measured.
+
+Every method may run in a worker thread (``snapshot_async``,
+``materialize_async``, ``gc_async``), concurrently for different
+workspaces: blobs are written under a temporary name and renamed, and the
+blobs an unfinished snapshot uses are pinned so that a concurrent ``sweep``
+or ``gc`` does not remove them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import errno
 import hashlib
 import os
 import shutil
+import stat
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_serializer
+
+CHUNK = 1 << 20
+_ZEROS = bytes(CHUNK)  # shared: holes are hashed from it, never read from disk
+_COPY_STEP = 64 << 20  # copy_file_range per call, so a cancel is seen between steps
+_SEEK_DATA = getattr(os, "SEEK_DATA", None)
+_SEEK_HOLE = getattr(os, "SEEK_HOLE", None)
 
 
 class FileEntry(BaseModel):
     sha256: str
-    size: int
-    mode: int
+    size: int  # logical size; holes included
+    mode: int  # permission bits only (& 0o777)
+    b64: bool = False  # the manifest key is "b64:" + urlsafe base64 of the name's bytes
+
+    @model_serializer(mode="wrap")
+    def _omit_default_b64(self, handler):  # records stay as they were for UTF-8 names
+        data = handler(self)
+        if not self.b64:
+            data.pop("b64", None)
+        return data
 
 
 class Checkpoint(BaseModel):
@@ -36,25 +81,232 @@ class Checkpoint(BaseModel):
     name: str = ""
     state_bytes: int  # the driver's running-state image
     files_bytes: int  # the workspace's logical size
-    new_bytes: int  # what this checkpoint added to the blob store
+    new_bytes: int  # what this checkpoint added to the blob store (data stored; holes are free)
     files: Dict[str, FileEntry] = {}
 
     def summary(self) -> dict:
         return self.model_dump(exclude={"files"}) | {"file_count": len(self.files)}
 
+    def paths(self) -> Dict[bytes, FileEntry]:
+        """The manifest by file name as bytes, relative to the workspace."""
+        return {decode_name(key, entry): entry for key, entry in self.files.items()}
+
+
+class SnapshotLimits(BaseModel):
+    """What one workspace snapshot may hold."""
+
+    max_bytes: int = Field(16 << 30, ge=0)  # logical size of all files, holes included
+    max_new_bytes: int = Field(4 << 30, ge=0)  # data written to the blob store by one snapshot
+    max_files: int = Field(100_000, ge=0)  # regular files
+
+
+class SnapshotTooLarge(Exception):
+    """A workspace is beyond a bound of ``SnapshotLimits``; nothing of the
+    snapshot is kept."""
+
+    def __init__(self, bound: str, value: int, limit: int, variable: str, message: str):
+        super().__init__(message)
+        self.bound, self.value, self.limit, self.variable = bound, value, limit, variable
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Changed(RuntimeError):
+    pass
+
+
+def encode_name(raw: bytes) -> Tuple[str, bool]:
+    """A manifest key for a file name (bytes relative to the workspace)."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return "b64:" + base64.urlsafe_b64encode(raw).decode("ascii"), True
+
+
+def decode_name(key: str, entry: FileEntry) -> bytes:
+    """The file name a manifest key stands for (old records: the key itself)."""
+    if entry.b64:
+        if not key.startswith("b64:"):
+            raise ValueError(f"manifest key {key!r} is marked base64 but has no b64: prefix")
+        return base64.urlsafe_b64decode(key[4:])
+    return key.encode("utf-8", "surrogateescape")
+
+
+def _safe_rel(raw: bytes) -> List[bytes]:
+    parts = raw.split(b"/")
+    if not raw or raw.startswith(b"/") or b"\0" in raw or any(p in (b"", b".", b"..") for p in parts):
+        raise ValueError(f"unsafe path in a checkpoint manifest: {raw!r}")
+    return parts
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _check(cancel: Optional[threading.Event]) -> None:
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled()
+
+
+def _extents(fd: int, size: int, sparse: bool) -> Iterator[Tuple[int, int]]:
+    """The data ranges [start, end) of an open file of ``size`` bytes; what
+    lies between them is a hole. ``sparse`` False: one range, no lseek."""
+    if size <= 0:
+        return
+    if not sparse or _SEEK_DATA is None:
+        yield 0, size
+        return
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, _SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole is left
+                return
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP) and off == 0:  # no hole support here
+                yield 0, size
+                return
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, _SEEK_HOLE), size)
+        yield start, end
+        off = end
+
+
+def _is_sparse(st: os.stat_result) -> bool:
+    return st.st_blocks * 512 < st.st_size
+
+
+def _hash_zeros(h, n: int, cancel=None) -> None:
+    while n > 0:
+        if n & (64 * CHUNK - 1) == 0:  # every 64 MiB of hole
+            _check(cancel)
+        k = min(n, CHUNK)
+        h.update(_ZEROS[:k] if k < CHUNK else _ZEROS)
+        n -= k
+
+
+def _hash_file(fd: int, st: os.stat_result, buf: bytearray, cancel) -> Tuple[str, int]:
+    """sha256 of the logical content and the number of data bytes."""
+    h = hashlib.sha256()
+    view = memoryview(buf)
+    pos = data = 0
+    for start, end in _extents(fd, st.st_size, _is_sparse(st)):
+        _hash_zeros(h, start - pos, cancel)
+        off = start
+        while off < end:
+            _check(cancel)
+            n = os.preadv(fd, [view[:min(CHUNK, end - off)]], off)
+            if n == 0:
+                raise _Changed("shrank")
+            h.update(view[:n])
+            off += n
+        data += end - start
+        pos = end
+    _hash_zeros(h, st.st_size - pos, cancel)
+    return h.hexdigest(), data
+
+
+def _copy_range(src: int, dst: int, start: int, end: int, buf: bytearray, cancel) -> None:
+    off = start
+    use_cfr = hasattr(os, "copy_file_range")
+    while off < end:
+        _check(cancel)
+        n = 0
+        if use_cfr:
+            try:
+                n = os.copy_file_range(src, dst, min(_COPY_STEP, end - off), off, off)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                    raise
+                use_cfr = False
+                continue
+        else:
+            view = memoryview(buf)[:min(CHUNK, end - off)]
+            n = os.preadv(src, [view], off)
+            if n:
+                done = 0
+                while done < n:
+                    done += os.pwrite(dst, view[done:n], off + done)
+        if n == 0:
+            raise _Changed("shrank")
+        off += n
+
+
+def _copy_sparse(src: int, dst: int, size: int, sparse: bool, buf: bytearray, cancel) -> int:
+    """Copy ``size`` bytes of ``src`` into the empty ``dst``, data extents
+    only; holes stay holes. Returns the data bytes copied."""
+    data = 0
+    for start, end in _extents(src, size, sparse):
+        _copy_range(src, dst, start, end, buf, cancel)
+        data += end - start
+    os.ftruncate(dst, size)  # the trailing hole, if any
+    return data
+
+
+SMALL = 64 << 10  # files up to this size are read once and kept in memory until stored...
+SMALL_BUDGET = 64 << 20  # ...up to this much in all
+
+
+class _Found:
+    __slots__ = ("rel", "path", "lst", "st", "sha", "data", "content")
+
+    def __init__(self, rel: bytes, path: bytes, lst: os.stat_result):
+        self.rel, self.path, self.lst = rel, path, lst
+        self.st: Optional[os.stat_result] = None
+        self.sha = ""
+        self.data = 0
+        self.content: Optional[bytes] = None  # a small file's bytes, read while hashing
+
+
+def _read_small(fd: int, size: int) -> bytes:
+    parts, got = [], 0
+    while True:
+        b = os.pread(fd, size + 1 - got, got)  # one byte more: a file that grew is noticed
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+        if got > size:
+            break
+    if got != size:
+        raise _Changed("resized")
+    return b"".join(parts)
+
+
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
 
 class CheckpointStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None):
         self.root = root
         self.blobs = root / "blobs"
         self.items = root / "items"
+        self.limits = limits or SnapshotLimits()
+        self._blobs_b = os.fsencode(self.blobs) + b"/"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.items.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._open: Set[str] = set()  # new_dir'd, not yet committed or discarded: sweep leaves them
+        self._pins: Dict[str, Set[str]] = {}  # pin key (a cid or a token) -> blobs an unfinished snapshot uses
+        self._loose: Set[str] = set()  # tokens of finished snapshots taken without a cid
+        self._running = 0
+
+    # -- records -----------------------------------------------------------
 
     def new_dir(self) -> tuple[str, Path]:
         cid = uuid.uuid4().hex[:12]
         path = self.items / cid
-        path.mkdir()
+        with self._lock:
+            self._open.add(cid)
+            path.mkdir()
         return cid, path
 
     def state_dir(self, cid: str) -> Path:
@@ -63,49 +315,6 @@ class CheckpointStore:
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha
 
-    def snapshot(self, workspace: Path) -> tuple[Dict[str, FileEntry], int]:
-        """Store the workspace's files; returns the manifest and the new bytes."""
-        files: Dict[str, FileEntry] = {}
-        new = 0
-        for dirpath, dirnames, filenames in os.walk(workspace):
-            dirnames.sort()
-            for name in sorted(filenames):
-                path = Path(dirpath) / name
-                if path.is_symlink() or not path.is_file():
-                    continue  # links could point anywhere on the host: not followed
-                h = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        h.update(chunk)
-                sha = h.hexdigest()
-                st = path.stat()
-                blob = self._blob(sha)
-                if not blob.exists():
-                    blob.parent.mkdir(exist_ok=True)
-                    tmp = blob.with_name(f"{sha}.tmp-{uuid.uuid4().hex[:6]}")
-                    shutil.copyfile(path, tmp)
-                    os.replace(tmp, blob)
-                    new += st.st_size
-                files[str(path.relative_to(workspace))] = FileEntry(sha256=sha, size=st.st_size, mode=st.st_mode & 0o777)
-        return files, new
-
-    def materialize(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None) -> None:
-        """Write the checkpoint's workspace into an empty ``dest``."""
-        dest.mkdir(parents=True, exist_ok=True)
-        for rel, entry in cp.files.items():
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            blob = self._blob(entry.sha256)
-            if not blob.exists():
-                raise FileNotFoundError(f"checkpoint {cp.id} is damaged: blob of {rel} is missing")
-            shutil.copyfile(blob, target)
-            os.chmod(target, entry.mode)
-        if uid is not None:
-            for dirpath, _, filenames in os.walk(dest):
-                os.chown(dirpath, uid, uid)
-                for name in filenames:
-                    os.chown(os.path.join(dirpath, name), uid, uid)
-
     def commit(self, cp: Checkpoint) -> None:
         path = self.items / cp.id / "checkpoint.json"
         tmp = path.with_suffix(".tmp")
@@ -113,6 +322,7 @@ class CheckpointStore:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        self._close(cp.id)  # the record keeps its blobs from here on
 
     def get(self, cid: str) -> Checkpoint:
         path = self.items / cid / "checkpoint.json"
@@ -125,27 +335,312 @@ class CheckpointStore:
         for d in self.items.iterdir():
             try:
                 cp = self.get(d.name)
-            except (KeyError, ValueError):
+            except (KeyError, ValueError, OSError):
                 continue
             if sandbox is None or cp.sandbox == sandbox:
                 out.append(cp)
         return sorted(out, key=lambda c: c.created)
 
     def discard(self, cid: str) -> None:
+        self._close(cid)
         shutil.rmtree(self.items / cid, ignore_errors=True)
 
-    def sweep(self) -> int:
-        """Remove unfinished checkpoints (no record) and blobs no record uses."""
-        removed = 0
-        for d in self.items.iterdir():
-            if not (d / "checkpoint.json").is_file():
-                shutil.rmtree(d, ignore_errors=True)
-                removed += 1
+    def _close(self, cid: str) -> None:
+        with self._lock:
+            self._open.discard(cid)
+            self._pins.pop(cid, None)
+            self._release_loose()
+
+    def _release_loose(self) -> None:  # under the lock
+        # Pins of snapshots taken without a cid are kept until no checkpoint
+        # is open and no snapshot runs: by then theirs was committed or dropped.
+        if not self._open and not self._running:
+            for token in self._loose:
+                self._pins.pop(token, None)
+            self._loose.clear()
+
+    # -- snapshot ----------------------------------------------------------
+
+    def _scan(self, workspace: Path, limits: SnapshotLimits, cancel) -> List[_Found]:
+        """Every regular file under ``workspace`` (sorted, no link followed);
+        the file-count and logical-size bounds checked on the way."""
+        found: List[_Found] = []
+        count = total = 0
+        root = os.fsencode(workspace)
+        stack: List[bytes] = [b""]
+        while stack:
+            _check(cancel)
+            rel_dir = stack.pop()
+            try:
+                with os.scandir(root + b"/" + rel_dir if rel_dir else root) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except FileNotFoundError:
+                continue
+            subdirs = []
+            for e in entries:
+                rel = rel_dir + b"/" + e.name if rel_dir else e.name
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        subdirs.append(rel)
+                        continue
+                    if not e.is_file(follow_symlinks=False):
+                        continue  # symlinks, devices, fifos, sockets
+                    count += 1
+                    if count > limits.max_files:
+                        continue  # still counted, for the message; no longer stat'ed
+                    lst = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                total += lst.st_size
+                found.append(_Found(rel, e.path, lst))
+            stack.extend(reversed(subdirs))
+        if count > limits.max_files:
+            raise SnapshotTooLarge(
+                "files", count, limits.max_files, "SANDGATE_CHECKPOINT_MAX_FILES",
+                f"the workspace holds {count} files; a checkpoint holds at most {limits.max_files} "
+                f"(SANDGATE_CHECKPOINT_MAX_FILES)")
+        if total > limits.max_bytes:
+            raise SnapshotTooLarge(
+                "bytes", total, limits.max_bytes, "SANDGATE_CHECKPOINT_MAX_BYTES",
+                f"the workspace holds {total} bytes ({_human(total)}) in its files, holes included; a checkpoint "
+                f"holds at most {limits.max_bytes} ({_human(limits.max_bytes)}) (SANDGATE_CHECKPOINT_MAX_BYTES)")
+        return found
+
+    def _open_same(self, f: _Found, want: os.stat_result) -> int:
+        """Open ``f`` without following a link and make sure it is still the
+        regular file ``want`` describes."""
+        fd = os.open(f.path, _OPEN_READ)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) or (
+                    want is f.st and (st.st_size, st.st_mtime_ns) != (want.st_size, want.st_mtime_ns)):
+                raise _Changed("replaced")
+            if f.st is None:
+                f.st = st
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def snapshot(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *, cid: Optional[str] = None,
+                 cancel: Optional[threading.Event] = None) -> tuple[Dict[str, FileEntry], int]:
+        """Store the workspace's files; returns the manifest and the new bytes
+        (data written to the blob store). ``cid``, from ``new_dir``: the
+        blobs stay pinned until that checkpoint is committed or discarded.
+        Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's);
+        then, and on any other failure, the blobs it wrote are removed."""
+        limits = limits or self.limits
+        token = cid or "snap-" + uuid.uuid4().hex
+        created: List[str] = []
+        with self._lock:
+            self._running += 1
+        try:
+            found = self._scan(workspace, limits, cancel)
+            buf = bytearray(CHUNK)
+            budget = SMALL_BUDGET
+            for f in found:  # hash everything before anything is stored
+                _check(cancel)
+                try:
+                    fd = self._open_same(f, f.lst)
+                except FileNotFoundError:
+                    f.sha = ""
+                    continue
+                except _Changed:
+                    raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed") from None
+                try:
+                    if f.st.st_size <= min(SMALL, budget) and not _is_sparse(f.st):
+                        f.content = _read_small(fd, f.st.st_size)
+                        f.sha, f.data = hashlib.sha256(f.content).hexdigest(), f.st.st_size
+                        budget -= f.st.st_size
+                    else:
+                        f.sha, f.data = _hash_file(fd, f.st, buf, cancel)
+                except _Changed:
+                    raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed") from None
+                finally:
+                    os.close(fd)
+            found = [f for f in found if f.sha]
+            shas = {f.sha for f in found}
+            with self._lock:  # pinned before looking: a sweep from now on keeps them
+                if cid is not None and cid not in self._open:
+                    raise RuntimeError(f"checkpoint {cid} was discarded while its workspace was being stored")
+                self._pins.setdefault(token, set()).update(shas)
+            missing: Dict[str, _Found] = {}
+            for f in found:
+                if f.sha not in missing and not os.path.exists(self._blob_path(f.sha)):
+                    missing[f.sha] = f
+                if missing.get(f.sha) is not f:
+                    f.content = None  # stored already, or by another file
+            need = sum(f.data for f in missing.values())
+            if need > limits.max_new_bytes:
+                raise SnapshotTooLarge(
+                    "new_bytes", need, limits.max_new_bytes, "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
+                    f"the checkpoint would store {need} new bytes ({_human(need)}); one checkpoint stores at most "
+                    f"{limits.max_new_bytes} ({_human(limits.max_new_bytes)}) (SANDGATE_CHECKPOINT_MAX_NEW_BYTES)")
+            new = 0
+            made: Set[bytes] = set()
+            for sha, f in missing.items():
+                _check(cancel)
+                new += self._store_blob(f, buf, cancel, created, made)
+                f.content = None
+            files: Dict[str, FileEntry] = {}
+            for f in found:
+                key, b64 = encode_name(f.rel)
+                files[key] = FileEntry(sha256=f.sha, size=f.st.st_size, mode=f.st.st_mode & 0o777, b64=b64)
+        except BaseException as e:
+            with self._lock:
+                self._running -= 1
+                self._pins.pop(token, None)
+                self._release_loose()
+            self._collect(created)  # what this attempt wrote is garbage now
+            if isinstance(e, _Cancelled):
+                raise asyncio.CancelledError() from None
+            raise
+        with self._lock:
+            self._running -= 1
+            if cid is None:
+                self._loose.add(token)
+            self._release_loose()
+        return files, new
+
+    def _blob_path(self, sha: str) -> bytes:
+        return self._blobs_b + sha[:2].encode() + b"/" + sha.encode()
+
+    def _store_blob(self, f: _Found, buf: bytearray, cancel, created: List[str], made: Set[bytes]) -> int:
+        """Write one blob under a temporary name, then rename it into place."""
+        blob = self._blob_path(f.sha)
+        parent = blob[:-len(f.sha) - 1]
+        if parent not in made:
+            try:
+                os.mkdir(parent, 0o700)
+            except FileExistsError:
+                pass
+            made.add(parent)
+        tmp = b"%s.tmp-%s" % (blob, uuid.uuid4().hex[:8].encode())
+        src = dst = -1
+        try:
+            if f.content is None:
+                try:
+                    src = self._open_same(f, f.st)
+                except FileNotFoundError:
+                    raise _Changed("gone") from None
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            if f.content is not None:
+                view, data = memoryview(f.content), len(f.content)
+                while view:
+                    view = view[os.write(dst, view):]
+            else:
+                data = _copy_sparse(src, dst, f.st.st_size, _is_sparse(f.st), buf, cancel)
+            os.close(dst)
+            dst = -1
+            os.replace(tmp, blob)
+            created.append(f.sha)
+            return data
+        except BaseException as e:
+            if dst >= 0:
+                os.close(dst)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            if isinstance(e, _Changed):
+                raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed") from None
+            raise
+        finally:
+            if src >= 0:
+                os.close(src)
+
+    def _collect(self, candidates: List[str]) -> None:
+        """Remove these blobs unless a record or an unfinished snapshot uses them."""
+        if not candidates:
+            return
+        with self._lock:
+            live = self._live()
+            for sha in candidates:
+                if sha not in live:
+                    self._blob(sha).unlink(missing_ok=True)
+
+    def _live(self) -> Set[str]:  # under the lock
         live = {e.sha256 for cp in self.list() for e in cp.files.values()}
-        for blob in self.blobs.glob("*/*"):
-            if blob.name not in live:
-                blob.unlink(missing_ok=True)
-                removed += 1
+        for pinned in self._pins.values():
+            live |= pinned
+        return live
+
+    # -- materialize -------------------------------------------------------
+
+    def materialize(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None,
+                    cancel: Optional[threading.Event] = None) -> None:
+        """Write the checkpoint's workspace into an empty ``dest``: holes kept,
+        modes ``& 0o777``, directories 0700; with ``uid``, every file and
+        directory (``dest`` included) is given to ``uid``:``uid``."""
+        root = os.fsencode(dest)
+        if not dest.is_dir():
+            dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if uid is not None:
+            os.chown(root, uid, uid, follow_symlinks=False)
+        made: Set[bytes] = set()
+        buf = bytearray(CHUNK)
+        try:
+            for key, entry in cp.files.items():
+                _check(cancel)
+                rel = decode_name(key, entry)
+                parts = _safe_rel(rel)
+                path = root
+                for part in parts[:-1]:
+                    path = path + b"/" + part
+                    if path in made:
+                        continue
+                    try:
+                        os.mkdir(path, 0o700)
+                    except FileExistsError:
+                        if not stat.S_ISDIR(os.lstat(path).st_mode):
+                            raise ValueError(f"checkpoint {cp.id}: {path!r} is in the way of a directory")
+                    if uid is not None:
+                        os.chown(path, uid, uid, follow_symlinks=False)
+                    made.add(path)
+                target = path + b"/" + parts[-1]
+                try:
+                    src = os.open(self._blob(entry.sha256), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise FileNotFoundError(
+                        f"checkpoint {cp.id} is damaged: blob of {os.fsdecode(rel)} is missing") from None
+                try:
+                    st = os.fstat(src)
+                    if st.st_size != entry.size:
+                        raise ValueError(f"checkpoint {cp.id} is damaged: blob of {os.fsdecode(rel)} has "
+                                         f"{st.st_size} bytes, not {entry.size}")
+                    dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                    try:
+                        _copy_sparse(src, dst, entry.size, _is_sparse(st), buf, cancel)
+                        if uid is not None:
+                            os.fchown(dst, uid, uid)
+                        os.fchmod(dst, entry.mode & 0o777)
+                    finally:
+                        os.close(dst)
+                finally:
+                    os.close(src)
+        except _Cancelled:
+            raise asyncio.CancelledError() from None
+        except _Changed:
+            raise ValueError(f"checkpoint {cp.id} is damaged: a blob is shorter than its extents") from None
+
+    # -- collection --------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Remove unfinished checkpoints (no record, none open in this
+        process), blobs no record and no unfinished snapshot uses, and
+        leftover temporary blobs."""
+        removed = 0
+        with self._lock:
+            for d in self.items.iterdir():
+                if d.name not in self._open and not (d / "checkpoint.json").is_file():
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed += 1
+            live = self._live()
+            for blob in self.blobs.glob("*/*"):
+                sha = blob.name.split(".tmp-")[0]
+                if sha not in live:  # an aborted or crashed write, or garbage
+                    blob.unlink(missing_ok=True)
+                    removed += 1
         return removed
 
     def gc(self, keep_sandboxes: set, keep_checkpoints: set) -> int:
@@ -164,9 +659,84 @@ class CheckpointStore:
             self.discard(cid)
         return len(dropped) + self.sweep()
 
+    # -- off the event loop -----------------------------------------------
+
+    async def snapshot_async(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *,
+                             cid: Optional[str] = None) -> tuple[Dict[str, FileEntry], int]:
+        """``snapshot`` in a worker thread. Cancelling stops it at the next
+        chunk, removes what it wrote, and returns only once the thread is done."""
+        return await _in_thread(self.snapshot, workspace, limits, cid=cid)
+
+    async def materialize_async(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None) -> None:
+        """``materialize`` in a worker thread; cancelling stops it at the next
+        chunk (``dest`` is left partial, for the caller to remove) and returns
+        once the thread is done."""
+        return await _in_thread(self.materialize, cp, dest, uid)
+
+    async def gc_async(self, keep_sandboxes: set, keep_checkpoints: set) -> int:
+        """``gc`` in a worker thread."""
+        return await asyncio.to_thread(self.gc, keep_sandboxes, keep_checkpoints)
+
+
+async def _in_thread(fn, *args, **kwargs):
+    cancel = threading.Event()
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, cancel=cancel, **kwargs))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        cancel.set()
+        while not fut.done():  # the caller's cleanup must not race the thread
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller sees
+        raise
+
+
+def _tree(path: Path) -> Iterator[os.stat_result]:
+    """lstat of ``path`` and everything under it; links are not followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    yield st
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    stack = [os.fsencode(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            yield st
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+
 
 def dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Logical size of the regular files under ``path`` (holes included;
+    symlinks not followed)."""
+    return sum(st.st_size for st in _tree(path) if stat.S_ISREG(st.st_mode))
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated on disk to ``path`` and everything under it
+    (st_blocks * 512, each inode once; symlinks not followed)."""
+    seen: Set[Tuple[int, int]] = set()
+    total = 0
+    for st in _tree(path):
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
 
 
 def now() -> float:
