@@ -20,7 +20,19 @@ EventCallback = Callable[[P.EventFrame], None]
 
 
 class AgentError(Exception):
-    """The agent answered a request with an error, or is gone."""
+    """The agent answered a request with an error, or is gone. ``code`` names
+    the error's kind: the agent's exception class (``FileNotFoundError``), or
+    ``stream`` when the agent could not be reached at all."""
+
+    def __init__(self, message: str, code: str = "stream"):
+        super().__init__(message)
+        self.code = code
+
+
+def _code_of(error: str) -> str:
+    """The agent reports ``<ExceptionClass>: <message>``."""
+    head, sep, _ = error.partition(": ")
+    return head if sep and head.isidentifier() else "error"
 
 
 class AgentLink:
@@ -96,7 +108,8 @@ class AgentLink:
         finally:
             self._pending.pop(rid, None)
         if not frame.ok:
-            raise AgentError(frame.error or f"{op} failed")
+            error = frame.error or f"{op} failed"
+            raise AgentError(error, getattr(frame, "code", None) or _code_of(error))
         return frame.result, data
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The tornado application: routes, settings, and the objects handlers use."""
+"""The tornado application: routes, settings, and the service handlers call."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from tornado import web
 
 from .api import channels, jupyter, sandboxes
 from .config import Settings
+from .core.manager import SandboxManager
+from .core.service import SandboxService
 from .drivers import DRIVERS
 from .kernelspecs import KernelSpecs
-from .sessions import KernelManager
+from .store.sqlite import SQLiteStore
 
 log = logging.getLogger("sandgate")
 
@@ -26,16 +28,20 @@ def available_drivers(settings: Settings) -> dict:
     return drivers
 
 
-def make_app(settings: Settings, manager: KernelManager | None = None) -> web.Application:
-    if manager is None:
-        drivers = available_drivers(settings)
-        manager = KernelManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver))
+def make_service(settings: Settings) -> SandboxService:
+    drivers = available_drivers(settings)
+    store = SQLiteStore(settings.home / "sessions.db")
+    manager = SandboxManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver), store)
+    return SandboxService(manager)
+
+
+def make_app(settings: Settings, service: SandboxService) -> web.Application:
     routes = sandboxes.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
     return web.Application(
         routes,
         default_handler_class=jupyter.NotFoundHandler,
         sandgate=settings,
-        kernel_manager=manager,
+        service=service,
         notebook_sessions=jupyter.NotebookSessions(),
         websocket_max_message_size=settings.max_message_mb << 20,
         websocket_ping_interval=30,

@@ -23,11 +23,14 @@ def cmd_serve(args) -> int:
 
     from sandgate_images import rootfs as images
 
-    from .app import make_app
+    from .app import make_app, make_service
+    from .core.culler import Culler
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
                              max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
-                             default_driver=args.driver, home=args.home)
+                             default_driver=args.driver, home=args.home, max_memory_mb=args.max_memory_mb,
+                             max_cpus=args.max_cpus, max_pids=args.max_pids, max_disk_mb=args.max_disk_mb,
+                             max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes)
     generated = settings.token is None
     if settings.token == "":
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
@@ -52,18 +55,21 @@ def cmd_serve(args) -> int:
 
     async def run() -> None:
         try:
-            app = make_app(settings)
+            service = make_service(settings)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
-        manager = app.settings["kernel_manager"]
-        await manager.reap()
-        manager.warm()
+        app = make_app(settings, service)
+        manager = service.manager
+        await manager.recover()
+        default = manager.specs.get(manager.specs.default).driver
+        manager.pool.refill(default)  # other drivers warm up after their first sandbox starts
+        culler = Culler(manager)
         server = httpserver.HTTPServer(app, max_body_size=settings.max_message_mb << 20)
         try:
             server.listen(settings.port, settings.ip)
         except OSError as e:
             raise SystemExit(f"sandgate: cannot listen on {settings.ip}:{settings.port}: {e}") from None
-        manager.start_culler()
+        culler.start()
         port = next(iter(server._sockets.values())).getsockname()[1]
         url = f"http://{settings.ip}:{port}"
         print(f"Sandgate {__version__} serving at {url} (drivers: {', '.join(manager.drivers) or 'none'})", flush=True)
@@ -75,9 +81,17 @@ def cmd_serve(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        logging.getLogger("sandgate").info("shutting down: stopping %d kernels", len(manager.kernels))
+        log = logging.getLogger("sandgate")
         server.stop()
-        await manager.shutdown_all()
+        await culler.stop()
+        if settings.keep_sandboxes:
+            log.info("shutting down: %d sandboxes are kept for the next start", len(manager.sandboxes))
+            await manager.suspend_all()
+        else:
+            log.info("shutting down: deleting %d sandboxes", len(manager.sandboxes))
+            await manager.delete_all()
+        await manager.store.close()
+        log.info("gateway stopped")
 
     asyncio.run(run())
     return 0
@@ -188,6 +202,14 @@ def main(argv=None) -> int:
     s.add_argument("--cull-idle-timeout", type=float, help="seconds; 0 never culls (SANDGATE_CULL_IDLE_TIMEOUT)")
     s.add_argument("--driver", help="default sandbox driver (SANDGATE_DRIVER, default gvisor)")
     s.add_argument("--home", help="state and image cache (SANDGATE_HOME, default ~/.cache/sandgate)")
+    s.add_argument("--max-memory-mb", type=int, help="ceiling on a sandbox's memory (SANDGATE_MAX_MEMORY_MB, 8192)")
+    s.add_argument("--max-cpus", type=float, help="ceiling on a sandbox's CPUs (SANDGATE_MAX_CPUS, 4)")
+    s.add_argument("--max-pids", type=int, help="ceiling on a sandbox's processes (SANDGATE_MAX_PIDS, 4096)")
+    s.add_argument("--max-disk-mb", type=int, help="ceiling on a sandbox's workspace (SANDGATE_MAX_DISK_MB, 10240)")
+    s.add_argument("--max-ttl", type=float, help="ceiling on a sandbox's lifetime in seconds, 0 none (SANDGATE_MAX_TTL)")
+    s.add_argument("--keep-sandboxes", action=argparse.BooleanOptionalAction, default=None,
+                   help="at exit, pause every sandbox to disk and resume them at the next start "
+                        "(SANDGATE_KEEP_SANDBOXES, default on); --no-keep-sandboxes deletes them")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("image", help="build or show the sandbox image")

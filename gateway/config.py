@@ -29,7 +29,17 @@ class Settings(BaseModel):
     pause_idle_timeout: float = Field(0, ge=0)  # pause (state to disk) after this idle time; 0 = never
     default_driver: str = "gvisor"
     home: Path = Field(default_factory=default_home)
-    limits: Limits = Limits()
+    limits: Limits = Limits()  # per-sandbox defaults
+    # Operator ceilings: a request above one gets 400 naming it.
+    max_memory_mb: int = Field(8192, ge=64)
+    max_cpus: float = Field(4, gt=0, allow_inf_nan=False)
+    max_pids: int = Field(4096, ge=16)
+    max_disk_mb: int = Field(10240, ge=16)
+    max_ttl: float = Field(0, ge=0, allow_inf_nan=False)  # seconds a sandbox may live; 0 = no ceiling
+    held_messages: int = Field(1000, ge=1)  # per sandbox, while it is not running
+    held_mb: int = Field(64, ge=1)
+    shutdown_parallel: int = Field(4, ge=1, le=64)  # sandboxes paused at once on exit
+    keep_sandboxes: bool = True  # at exit, pause sandboxes to disk for the next start; false deletes them
     env_allow: List[str] = []  # env names passed to kernels besides KERNEL_*
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
@@ -43,8 +53,16 @@ class Settings(BaseModel):
         "warm_start": "SANDGATE_WARM_START", "pool_size": "SANDGATE_POOL_SIZE",
         "default_driver": "SANDGATE_DRIVER", "home": "SANDGATE_HOME", "env_allow": "SANDGATE_ENV_ALLOW",
         "max_message_mb": "SANDGATE_MAX_MESSAGE_MB", "kernel_start_timeout": "SANDGATE_KERNEL_START_TIMEOUT",
+        "max_memory_mb": "SANDGATE_MAX_MEMORY_MB", "max_cpus": "SANDGATE_MAX_CPUS", "max_pids": "SANDGATE_MAX_PIDS",
+        "max_disk_mb": "SANDGATE_MAX_DISK_MB", "max_ttl": "SANDGATE_MAX_TTL",
+        "held_messages": "SANDGATE_HELD_MESSAGES", "held_mb": "SANDGATE_HELD_MB",
+        "shutdown_parallel": "SANDGATE_SHUTDOWN_PARALLEL", "keep_sandboxes": "SANDGATE_KEEP_SANDBOXES",
     }
-    LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS", "pids": "SANDGATE_PIDS"}
+    LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
+                                           "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}
+    # limit field -> the ceiling's setting
+    CEILINGS: ClassVar[Dict[str, str]] = {"memory_mb": "max_memory_mb", "cpus": "max_cpus", "pids": "max_pids",
+                                          "disk_mb": "max_disk_mb"}
 
     @classmethod
     def load(cls, **overrides) -> "Settings":
@@ -65,7 +83,12 @@ class Settings(BaseModel):
                 values[key] = value
         values["limits"] = limits
         try:
-            return cls(**values)
+            settings = cls(**values)
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise SystemExit(f"sandgate: invalid setting: {problems}") from None
+        for field, ceiling in cls.CEILINGS.items():
+            if getattr(settings.limits, field) > getattr(settings, ceiling):
+                raise SystemExit(f"sandgate: invalid setting: the default {field} ({getattr(settings.limits, field)}) "
+                                 f"is above its ceiling {cls.ENV[ceiling]} ({getattr(settings, ceiling)})")
+        return settings

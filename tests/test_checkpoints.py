@@ -258,11 +258,11 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
         f.seek(image.stat().st_size // 2)
         f.write(os.urandom(4096))
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
-    assert r.status == 500 and "failed to restore" in r.json()["message"]
+    assert r.status == 503 and "failed to restore" in r.json()["message"]
     assert ex(gw, sid, "print(v)")["stdout"] == "1\n"  # the source is unharmed
     image.unlink()
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
-    assert r.status == 500 and "checkpoint image missing" in r.json()["message"]
+    assert r.status == 503 and "checkpoint image missing" in r.json()["message"]
     gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
@@ -275,7 +275,7 @@ def test_disk_full_during_checkpoint(home, tmp_path):
         sid = create(g)["id"]
         ex(g, sid, "w = 'still here'")
         r = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
-        assert r.status == 500 and "checkpoint" in r.json()["message"]
+        assert r.status == 503 and "checkpoint" in r.json()["message"]
         assert g.request("GET", f"/api/sandboxes/{sid}/checkpoints").json() == []
         assert ex(g, sid, "print(w)")["stdout"] == "still here\n"
         assert list(small.iterdir()) == []  # nothing half-written is left

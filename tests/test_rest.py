@@ -17,7 +17,8 @@ def test_api_version_and_kernelspecs(gateway):
     assert one["name"] == "python3" and one["spec"]["language"] == "python" and "resources" in one
     assert gateway.request("GET", "/api/kernelspecs/python3").json()["spec"]["display_name"].startswith("Python 3")
     r = gateway.request("GET", "/api/kernelspecs/nope")
-    assert r.status == 404 and r.json() == {"reason": "Not Found", "message": "Kernel spec nope not found"}
+    assert r.status == 404 and r.json() == {"reason": "Not Found", "message": "Kernel spec nope not found",
+                                            "code": "not_found"}
 
 
 def test_token_auth(gateway):
@@ -87,7 +88,8 @@ def test_max_kernels(home, tmp_path):
     try:
         first = gw.start_kernel()
         r = gw.request("POST", "/api/kernels", {"name": "python3"})
-        assert r.status == 403 and r.json() == {"reason": "Forbidden", "message": "Resource Limit"}
+        assert r.status == 403 and r.json() == {"reason": "Forbidden", "code": "limit",
+                                                "message": "Maximum number of sandboxes (1) reached"}
         # Sessions count against the same bound (Kernel Gateway's do not).
         r = gw.request("POST", "/api/sessions", {"path": "a.ipynb", "type": "notebook", "kernel": {"name": "python3"}})
         assert r.status == 403

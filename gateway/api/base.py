@@ -10,6 +10,8 @@ from typing import Type, TypeVar
 from pydantic import BaseModel, ValidationError
 from tornado import web
 
+from ..core.errors import SandgateError
+
 log = logging.getLogger("sandgate.api")
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,8 +45,8 @@ class APIHandler(AuthMixin, web.RequestHandler):
             raise web.HTTPError(401)
 
     @property
-    def km(self):
-        return self.settings["kernel_manager"]
+    def service(self):
+        return self.settings["service"]
 
     def set_default_headers(self):
         self.set_header("Content-Type", "application/json")
@@ -60,11 +62,7 @@ class APIHandler(AuthMixin, web.RequestHandler):
 
     def body(self, model: Type[M]) -> M:
         """The request body validated against ``model``; 400 otherwise."""
-        raw = self.request.body or b"{}"
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise web.HTTPError(400, "Invalid JSON in body of request") from None
+        data = parse_json(self.request.body or b"{}")
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -73,15 +71,31 @@ class APIHandler(AuthMixin, web.RequestHandler):
             return model.model_validate(data)
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-            raise web.HTTPError(400, problems) from None
+            raise web.HTTPError(400, "%s", problems) from None
 
     def reply(self, data, status: int = 200) -> None:
         self.set_status(status)
         self.finish(json.dumps(data))
 
+    def _handle_request_exception(self, e: BaseException) -> None:
+        # The core's errors are answers, not crashes: one status per class, no traceback.
+        if isinstance(e, SandgateError) and not self._finished:
+            if e.status >= 500:
+                log.warning("%s %s: %d %s", self.request.method, self.request.path, e.status, e)
+            self.send_error(e.status, exc_info=(type(e), e, e.__traceback__))
+            return
+        super()._handle_request_exception(e)
+
     def write_error(self, status_code: int, **kwargs) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
         message = ""
+        if isinstance(exc, SandgateError):
+            body = {"reason": self._reason, "message": exc.message, "code": exc.code}
+            if getattr(exc, "state", None):
+                body["state"] = exc.state
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps(body))
+            return
         if isinstance(exc, web.HTTPError):
             message = exc.log_message % exc.args if exc.log_message and exc.args else (exc.log_message or "")
         elif exc is not None:
@@ -98,6 +112,14 @@ class APIHandler(AuthMixin, web.RequestHandler):
                 log.warning("%s %s: %d %s", self.request.method, self.request.path, value.status_code, message or "")
             return
         super().log_exception(typ, value, tb)
+
+
+def parse_json(raw: bytes):
+    """JSON, or a 400: malformed, or nested too deep for the parser (RecursionError)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise web.HTTPError(400, "Invalid JSON in body of request") from None
 
 
 def not_found(message: str) -> web.HTTPError:

@@ -15,8 +15,8 @@ from typing import List
 
 from tornado import web, websocket
 
-from ..agent_link import AgentError
-from ..sessions import NoSuchKernel, status_message
+from ..core.errors import Conflict, NotFound
+from ..core.messages import status_message
 from . import wire
 from .base import AuthMixin
 
@@ -33,8 +33,8 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         if not self.token_ok():
             raise web.HTTPError(401)
         try:
-            self.kernel = self.settings["kernel_manager"].get(kernel_id)
-        except NoSuchKernel:
+            self.kernel = self.settings["service"].get(kernel_id)
+        except NotFound:
             raise web.HTTPError(404, "Kernel does not exist: %s", kernel_id) from None
         self.session_ids = set()
         sid = self.get_query_argument("session_id", None)
@@ -74,7 +74,7 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
             self.session_ids.add(header["session"])
         try:
             self.kernel.send(channel, parts, header)
-        except AgentError as e:
+        except Conflict as e:
             log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
             self.deliver("iopub", status_message("dead", header))
 

@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from tornado import web
 
 from .. import __version__
-from ..agent_link import AgentError
-from ..drivers.base import SandboxError
-from ..sessions import LimitReached, NoSuchKernel
+from ..core.errors import NotFound
+from ..core.service import StartRequest
 from .base import APIHandler, error, not_found
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -50,81 +49,63 @@ class MainHandler(APIHandler):
 
 class KernelSpecsHandler(APIHandler):
     def get(self):
-        self.reply(self.km.specs.model())
+        self.reply(self.service.kernelspecs())
 
 
 class KernelSpecHandler(APIHandler):
     def get(self, name):
-        try:
-            self.reply(self.km.specs.get(name).model())
-        except KeyError:
-            raise not_found(f"Kernel spec {name} not found") from None
+        self.reply(self.service.kernelspec(name))
 
 
 class KernelSpecResourceHandler(APIHandler):
     def get(self, name, path):
         # Sandgate kernelspecs carry no logo files; say so precisely.
-        if name not in self.km.specs.specs:
-            raise not_found(f"Kernel spec {name} not found")
+        self.service.kernelspec(name)
         raise not_found(f"Kernel spec {name} has no resource {path}")
 
 
 async def start_kernel(handler: APIHandler, name: Optional[str], env: Optional[dict]):
+    return await handler.service.start(StartRequest(kernel_name=name, env=env or {}))
+
+
+def kernel(handler: APIHandler, kernel_id: str):
+    """Jupyter's wording for an unknown kernel."""
     try:
-        return await handler.km.start(name, env)
-    except KeyError:
-        raise not_found(f"No such kernel named {name}") from None
-    except LimitReached:
-        raise error(403, "Resource Limit") from None
-    except SandboxError as e:
-        raise error(503, str(e)) from None
+        return handler.service.get(kernel_id)
+    except NotFound:
+        raise not_found(f"Kernel does not exist: {kernel_id}") from None
 
 
 class KernelsHandler(APIHandler):
     def get(self):
-        self.reply([k.model() for k in self.km.list()])
+        self.reply([k.model() for k in self.service.list()])
 
     async def post(self):
         body = self.body(KernelCreate)
-        kernel = await start_kernel(self, body.name, body.env)
-        self.set_header("Location", f"/api/kernels/{kernel.id}")
-        self.reply(kernel.model(), 201)
+        k = await start_kernel(self, body.name, body.env)
+        self.set_header("Location", f"/api/kernels/{k.id}")
+        self.reply(k.model(), 201)
 
 
 class KernelHandler(APIHandler):
-    def kernel(self, kernel_id):
-        try:
-            return self.km.get(kernel_id)
-        except NoSuchKernel:
-            raise not_found(f"Kernel does not exist: {kernel_id}") from None
-
     def get(self, kernel_id):
-        self.reply(self.kernel(kernel_id).model())
+        self.reply(kernel(self, kernel_id).model())
 
     async def delete(self, kernel_id):
-        self.kernel(kernel_id)
-        try:
-            await self.km.shutdown(kernel_id)
-        except NoSuchKernel:  # raced with another delete or the culler
-            raise not_found(f"Kernel does not exist: {kernel_id}") from None
+        kernel(self, kernel_id)
+        await self.service.delete(kernel_id)
         self.set_status(204)
         self.finish()
 
 
-class KernelActionHandler(KernelHandler):
+class KernelActionHandler(APIHandler):
     async def post(self, kernel_id, action):
-        self.kernel(kernel_id)
-        try:
-            if action == "interrupt":
-                await self.km.interrupt(kernel_id)
-                self.set_status(204)
-                return self.finish()
-            kernel = await self.km.restart(kernel_id)
-        except NoSuchKernel:
-            raise not_found(f"Kernel does not exist: {kernel_id}") from None
-        except (AgentError, SandboxError) as e:
-            raise error(500, f"Could not {action} kernel {kernel_id}: {e}") from None
-        self.reply(kernel.model())
+        kernel(self, kernel_id)
+        if action == "interrupt":
+            await self.service.interrupt(kernel_id)
+            self.set_status(204)
+            return self.finish()
+        self.reply((await self.service.restart(kernel_id)).model())
 
 
 class NotebookSessions:
@@ -133,19 +114,19 @@ class NotebookSessions:
     def __init__(self):
         self.sessions: Dict[str, dict] = {}
 
-    def model(self, sid: str, km) -> Optional[dict]:
+    def model(self, sid: str, service) -> Optional[dict]:
         s = self.sessions[sid]
         try:
-            kernel = km.get(s["kernel_id"]).model()
-        except NoSuchKernel:
+            kernel = service.get(s["kernel_id"]).model()
+        except NotFound:
             return None
         return {"id": sid, "path": s["path"], "name": s["name"], "type": s["type"], "kernel": kernel,
                 "notebook": {"path": s["path"], "name": s["name"]}}
 
-    def live(self, km) -> List[dict]:
+    def live(self, service) -> List[dict]:
         out = []
         for sid in list(self.sessions):
-            m = self.model(sid, km)
+            m = self.model(sid, service)
             if m is None:  # its kernel was deleted or culled
                 del self.sessions[sid]
             else:
@@ -159,7 +140,7 @@ class SessionsHandler(APIHandler):
         return self.settings["notebook_sessions"]
 
     def get(self):
-        self.reply(self.store.live(self.km))
+        self.reply(self.store.live(self.service))
 
     async def post(self):
         body = self.body(SessionCreate)
@@ -170,34 +151,31 @@ class SessionsHandler(APIHandler):
         kind = body.type or ("notebook" if extra.get("notebook") else None)
         if not kind:
             raise error(400, "Missing field in JSON data: type")
-        for m in self.store.live(self.km):
+        for m in self.store.live(self.service):
             if m["path"] == path:
                 return self.reply(m, 201)
         spec = body.kernel or SessionKernel()
         if spec.id:
-            try:
-                kernel = self.km.get(spec.id)
-            except NoSuchKernel:
-                raise not_found(f"Kernel does not exist: {spec.id}") from None
+            k = kernel(self, spec.id)
         else:
-            if spec.name and spec.name not in self.km.specs.specs:
+            if spec.name and spec.name not in self.service.manager.specs.specs:
                 raise error(501, f"The '{spec.name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
-            kernel = await start_kernel(self, spec.name, None)
+            k = await start_kernel(self, spec.name, None)
         sid = str(uuid.uuid4())
-        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": kernel.id}
+        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": k.id}
         self.set_header("Location", f"/api/sessions/{sid}")
-        self.reply(self.store.model(sid, self.km), 201)
+        self.reply(self.store.model(sid, self.service), 201)
 
 
 class SessionHandler(SessionsHandler):
     def session(self, sid):
-        if sid not in self.store.sessions or self.store.model(sid, self.km) is None:
+        if sid not in self.store.sessions or self.store.model(sid, self.service) is None:
             raise not_found(f"Session not found: {sid}")
         return self.store.sessions[sid]
 
     def get(self, sid):
         self.session(sid)
-        self.reply(self.store.model(sid, self.km))
+        self.reply(self.store.model(sid, self.service))
 
     async def patch(self, sid):
         s = self.session(sid)
@@ -206,23 +184,20 @@ class SessionHandler(SessionsHandler):
             if getattr(body, key) is not None:
                 s[key] = getattr(body, key)
         if body.kernel and body.kernel.id:
-            try:
-                self.km.get(body.kernel.id)
-            except NoSuchKernel:
-                raise not_found(f"Kernel does not exist: {body.kernel.id}") from None
+            kernel(self, body.kernel.id)
             s["kernel_id"] = body.kernel.id
         elif body.kernel and body.kernel.name:
             old = s["kernel_id"]
             s["kernel_id"] = (await start_kernel(self, body.kernel.name, None)).id
-            await self.km.shutdown(old)
-        self.reply(self.store.model(sid, self.km))
+            await self.service.delete(old)
+        self.reply(self.store.model(sid, self.service))
 
     async def delete(self, sid):
         s = self.session(sid)
         del self.store.sessions[sid]
         try:
-            await self.km.shutdown(s["kernel_id"])
-        except NoSuchKernel:
+            await self.service.delete(s["kernel_id"])
+        except NotFound:
             pass
         self.set_status(204)
         self.finish()

@@ -12,10 +12,9 @@ from typing import Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..agent_link import AgentError
-from ..drivers.base import Limits, SandboxError
-from ..sessions import LimitReached, NoSuchKernel
-from .base import APIHandler, error, not_found
+from ..core.errors import BadRequest
+from ..core.service import LimitsRequest, SandboxModel, StartRequest, sandbox_model
+from .base import APIHandler
 from .jupyter import UUID
 
 
@@ -24,8 +23,8 @@ class SandboxCreate(BaseModel):
     driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
     labels: Dict[str, str] = {}
-    limits: Optional[Limits] = None
-    ttl: Optional[float] = Field(None, gt=0, description="seconds until the sandbox is deleted")
+    limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
+    ttl: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="seconds until the sandbox is deleted")
     checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
 
 
@@ -74,101 +73,37 @@ class ExecuteResult(BaseModel):
     error: Optional[Output]
 
 
-class SandboxModel(BaseModel):
-    id: str
-    state: str  # starting | running | paused | dead
-    pause_mode: Optional[str] = None  # disk | memory, while paused
-    execution_state: str
-    driver: str
-    kernel_id: str
-    runtime_id: Optional[str]  # the driver's name for the running sandbox (runsc list), none while paused
-    parent: Optional[Dict[str, Optional[str]]]  # {"sandbox", "checkpoint"} it was forked from
-    head: Optional[str]  # newest checkpoint in its line
-    labels: Dict[str, str]
-    created: str
-    last_activity: str
-    expires: Optional[str] = None
-    reason: Optional[str] = None
-
-
-def sandbox_model(kernel) -> dict:
-    m = kernel.model()
-    state = {"paused": "paused", "dead": "dead", "starting": "starting"}.get(kernel.execution_state, "running")
-    parent = None
-    if kernel.origin:
-        cp = kernel.manager.checkpoints.get(kernel.origin)
-        parent = {"sandbox": cp.sandbox, "checkpoint": cp.id}
-    return SandboxModel(id=kernel.id, state=state, pause_mode=kernel.pause_mode,
-                        execution_state=kernel.execution_state, driver=kernel.driver,
-                        kernel_id=kernel.id, runtime_id=kernel.sandbox.id if kernel.sandbox else None, parent=parent, head=kernel.head, labels=kernel.labels,
-                        created=m["created"], last_activity=m["last_activity"], expires=m.get("expires"),
-                        reason=m.get("reason")).model_dump()
-
-
-class SandboxBase(APIHandler):
-    def kernel(self, sid):
-        try:
-            return self.km.get(sid)
-        except NoSuchKernel:
-            raise not_found(f"Sandbox does not exist: {sid}") from None
-
-    async def guarded(self, coro):
-        """Driver and agent failures become clear JSON errors."""
-        try:
-            return await coro
-        except KeyError as e:
-            raise not_found(f"No such checkpoint: {e.args[0]}") from None
-        except LimitReached:
-            raise error(403, "Resource Limit") from None
-        except AgentError as e:
-            raise error(409, str(e)) from None
-        except SandboxError as e:
-            raise error(500, str(e)) from None
-        except FileNotFoundError as e:
-            raise error(500, str(e)) from None
-
-
-class SandboxesHandler(SandboxBase):
+class SandboxesHandler(APIHandler):
     def get(self):
-        self.reply([sandbox_model(k) for k in self.km.list()])
+        self.reply([sandbox_model(sb) for sb in self.service.list()])
 
     async def post(self):
         body = self.body(SandboxCreate)
-        name = None
-        if body.driver:
-            name = f"python3-{body.driver}"
-            if name not in self.km.specs.specs:
-                raise error(400, f"unknown or unavailable driver {body.driver!r}")
-        kernel = await self.guarded(self.km.start(name, body.env, checkpoint=body.checkpoint, labels=body.labels,
-                                                  limits=body.limits, ttl=body.ttl))
-        self.set_header("Location", f"/api/sandboxes/{kernel.id}")
-        self.reply(sandbox_model(kernel), 201)
+        sb = await self.service.start(StartRequest(**body.model_dump(exclude={"limits"}), limits=body.limits))
+        self.set_header("Location", f"/api/sandboxes/{sb.id}")
+        self.reply(sandbox_model(sb), 201)
 
 
-class SandboxHandler(SandboxBase):
+class SandboxHandler(APIHandler):
     def get(self, sid):
-        self.reply(sandbox_model(self.kernel(sid)))
+        self.reply(sandbox_model(self.service.get(sid)))
 
     async def delete(self, sid):
-        self.kernel(sid)
-        try:
-            await self.km.shutdown(sid)
-        except NoSuchKernel:
-            raise not_found(f"Sandbox does not exist: {sid}") from None
+        await self.service.delete(sid)
         self.set_status(204)
         self.finish()
 
 
-class ExecuteHandler(SandboxBase):
+class ExecuteHandler(APIHandler):
     """JSON by default; with ``Accept: text/event-stream`` (or ``?stream=1``) a
     server-sent event per output as it happens, then one ``result`` event."""
 
     async def post(self, sid):
         body = self.body(ExecuteRequest)
-        kernel = self.kernel(sid)
+        self.service.get(sid)
         stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
         if not stream:
-            return self.reply(await self.guarded(kernel.execute(body.code, body.timeout)))
+            return self.reply(await self.service.execute(sid, body.code, body.timeout))
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
 
@@ -177,109 +112,68 @@ class ExecuteHandler(SandboxBase):
             await self.flush()
 
         try:
-            result = await kernel.execute(body.code, body.timeout, on_output=lambda o: emit("output", o))
+            result = await self.service.execute(sid, body.code, body.timeout, on_output=lambda o: emit("output", o))
         except Exception as e:  # headers are sent: the error travels as an event
-            await emit("error", {"message": str(e) or type(e).__name__})
+            await emit("error", {"message": str(e) or type(e).__name__, "code": getattr(e, "code", "internal")})
         else:
             await emit("result", result)
         self.finish()
 
 
-class ActionHandler(SandboxBase):
+class ActionHandler(APIHandler):
     async def post(self, sid, action):
-        kernel = self.kernel(sid)
         if action == "pause":
-            await self.guarded(kernel.pause(self.body(PauseRequest).mode))
+            sb = await self.service.pause(sid, self.body(PauseRequest).mode)
         else:
             self.body(Empty)  # no fields, but malformed JSON is still a 400
-            await self.guarded(kernel.resume())
-        self.reply(sandbox_model(kernel))
+            sb = await self.service.resume(sid)
+        self.reply(sandbox_model(sb))
 
 
-class CheckpointsHandler(SandboxBase):
+class CheckpointsHandler(APIHandler):
     def get(self, sid):
-        self.kernel(sid)
-        self.reply([c.summary() for c in self.km.checkpoints.list(sandbox=sid)])
+        self.reply(self.service.checkpoints(sid))
 
     async def post(self, sid):
         body = self.body(CheckpointRequest)
-        kernel = self.kernel(sid)
-        cp = await self.guarded(kernel.checkpoint(body.name))
+        self.service.get(sid)
+        cp = await self.service.checkpoint(sid, body.name)
         self.reply(cp.summary(), 201)
 
 
-class ForkHandler(SandboxBase):
+class ForkHandler(APIHandler):
     async def post(self, sid):
         body = self.body(ForkRequest)
-        self.kernel(sid)
-        kernel = await self.guarded(self.km.fork(sid, body.checkpoint))
-        self.set_header("Location", f"/api/sandboxes/{kernel.id}")
-        self.reply(sandbox_model(kernel), 201)
+        sb = await self.service.fork(sid, body.checkpoint)
+        self.set_header("Location", f"/api/sandboxes/{sb.id}")
+        self.reply(sandbox_model(sb), 201)
 
 
-class TreeHandler(SandboxBase):
+class TreeHandler(APIHandler):
     """Every checkpoint and fork, as nodes and parent links, for drawing."""
 
     def get(self):
-        live = {k.id: k for k in self.km.list()}
-        nodes = [{"kind": "checkpoint", **c.summary()} for c in self.km.checkpoints.list()]
-        nodes += [{"kind": "sandbox", "id": k.id, "parent": k.origin, "state": sandbox_model(k)["state"]}
-                  for k in live.values()]
-        self.reply({"nodes": nodes})
+        self.reply(self.service.tree())
 
 
-class FilesHandler(SandboxBase):
+class FilesHandler(APIHandler):
     async def get(self, sid, path):
-        kernel = self.kernel(sid)
-        link = await self.link(kernel)
         try:
-            listing, _ = await link.request("file_list", {"path": path})
-            return self.reply(listing)
-        except AgentError as e:
-            if "NotADirectoryError" not in str(e):
-                raise self.file_error(e, path) from None
-        try:
-            _, data = await link.request("file_read", {"path": path})
-        except AgentError as e:
-            raise self.file_error(e, path) from None
+            return self.reply(await self.service.list_files(sid, path))
+        except BadRequest as e:
+            if e.code != "NotADirectoryError":
+                raise
+        data = await self.service.read_file(sid, path)
         self.set_header("Content-Type", "application/octet-stream")
         self.finish(data)
 
     async def put(self, sid, path):
-        kernel = self.kernel(sid)
-        if not path or path.endswith("/"):
-            raise error(400, "a file path is required")
-        link = await self.link(kernel)
-        try:
-            result, _ = await link.request("file_write", {"path": path}, self.request.body)
-        except AgentError as e:
-            raise self.file_error(e, path) from None
-        self.reply({"path": path, **result}, 201)
+        self.reply(await self.service.write_file(sid, path, self.request.body), 201)
 
     async def delete(self, sid, path):
-        kernel = self.kernel(sid)
-        link = await self.link(kernel)
-        try:
-            await link.request("file_delete", {"path": path})
-        except AgentError as e:
-            raise self.file_error(e, path) from None
+        await self.service.delete_file(sid, path)
         self.set_status(204)
         self.finish()
-
-    async def link(self, kernel):
-        await self.guarded(kernel.ensure_running())
-        return kernel.link
-
-    @staticmethod
-    def file_error(e: AgentError, path: str):
-        text = str(e)
-        if "FileNotFoundError" in text:
-            return not_found(f"No such file: {path}")
-        if "outside the workspace" in text or "refusing" in text:
-            return error(403, text.split(": ", 1)[-1])
-        if "IsADirectoryError" in text or "NotADirectoryError" in text:
-            return error(400, text.split(": ", 1)[-1])
-        return error(500, text)
 
 
 class OpenAPIHandler(APIHandler):

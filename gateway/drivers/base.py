@@ -19,9 +19,13 @@ from .console import ConsoleLog
 
 
 class Limits(BaseModel):
+    """What one sandbox may use. The gateway's defaults and ceilings are in
+    config.Settings; a request is checked against the ceilings at the edge."""
+
     memory_mb: int = Field(1024, ge=64, le=1 << 20)
-    cpus: float = Field(1.0, gt=0, le=256)
+    cpus: float = Field(1.0, gt=0, le=256, allow_inf_nan=False)
     pids: int = Field(512, ge=16, le=1 << 20)
+    disk_mb: int = Field(1024, ge=16, le=1 << 24)  # the workspace's size
 
 
 class SandboxSpec(BaseModel):
@@ -95,6 +99,9 @@ class Driver(abc.ABC):
     # The workspace is a disk the checkpoint takes with it (VMs): the guest flushes
     # its writes first, so that disk is whole on its own (a restart may start from it).
     sync_before_checkpoint: bool = False
+    # Whether create() hands SandboxSpec.env to the agent itself (gVisor: the OCI
+    # process env). If not, the core sends it in a `setup` request after boot.
+    env_at_boot: bool = True
 
     @classmethod
     @abc.abstractmethod

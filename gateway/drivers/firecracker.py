@@ -393,6 +393,7 @@ class FirecrackerDriver(Driver):
     name = "firecracker"
     can_checkpoint = True
     sync_before_checkpoint = True
+    env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
 
     def __init__(self, root_dir: str):
         self.root_dir = Path(root_dir)  # the registry of running VMs, for reap()

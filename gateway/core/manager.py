@@ -1,0 +1,226 @@
+"""The collection of sandboxes on this node: start, fork, delete, and the
+gateway's own restart (suspend everything at exit, recover it at start).
+
+Each sandbox's lifecycle is in core/sandbox.py; warm start in core/pool.py;
+background loops in core/culler.py. Front ends do not call this directly:
+they call core/service.py, which validates and shapes what they get back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sandgate_images import rootfs as images
+
+from ..checkpoints import Checkpoint, CheckpointStore
+from ..config import Settings
+from ..drivers.base import Driver, Limits
+from ..kernelspecs import KernelSpecs
+from ..store.base import SessionStore
+from . import states
+from .errors import LimitReached, NotFound, Unavailable
+from .pool import WarmPool, workspace_uid
+from .record import SandboxRecord
+from .sandbox import Sandbox
+from .states import State
+
+log = logging.getLogger("sandgate.manager")
+
+
+class SandboxManager:
+    def __init__(self, settings: Settings, drivers: Dict[str, Driver], specs: KernelSpecs, store: SessionStore):
+        self.settings = settings
+        self.drivers = drivers
+        self.specs = specs
+        self.store = store
+        self.sandboxes: Dict[str, Sandbox] = {}
+        self._starting = 0
+        self._rootfs: Optional[Path] = None
+        self._agent_dir: Optional[Path] = None
+        self.checkpoints = CheckpointStore(settings.home / "checkpoints")
+        self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
+        self.pool = WarmPool(self)
+
+    def rootfs(self) -> Path:
+        if self._rootfs is None:
+            if not images.is_built(self.settings.home):
+                raise Unavailable("the sandbox image is not built: run `sandgate image build`")
+            self._rootfs = images.image_dir(self.settings.home) / "rootfs"
+        return self._rootfs
+
+    def agent_dir(self) -> Path:
+        if self._agent_dir is None:
+            self._agent_dir = images.agent_bundle(self.settings.home)
+        return self._agent_dir
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise NotFound(f"Sandbox does not exist: {sandbox_id}")
+        return sb
+
+    def list(self) -> List[Sandbox]:
+        return list(self.sandboxes.values())
+
+    # -- start, fork, delete ---------------------------------------------------
+    async def start(self, kernel_name: str, driver: str, env: Dict[str, str], limits: Limits,
+                    labels: Optional[Dict[str, str]] = None, ttl: Optional[float] = None,
+                    checkpoint: Optional[Checkpoint] = None, owner: str = "") -> Sandbox:
+        """Start a sandbox cold, from the warm pool, from the template, or
+        from a checkpoint (files and running state). Arguments are validated."""
+        if len(self.sandboxes) + self._starting >= self.settings.max_kernels:
+            raise LimitReached(f"Maximum number of sandboxes ({self.settings.max_kernels}) reached")
+        rec = SandboxRecord(id=str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
+                            limits=limits, labels=labels or {}, node=self.store.node,
+                            expires=time.time() + ttl if ttl else None)
+        self._starting += 1
+        sb: Optional[Sandbox] = None
+        how = "cold"
+        try:
+            default_limits = limits == self.settings.limits
+            pooled = None if checkpoint or not default_limits else self.pool.take(driver)
+            if pooled:  # warm, already running: the start costs one setup call
+                sb, how = pooled, "from the warm pool"
+                old_ws = sb.workspace
+                sb.record = rec.model_copy(update={"state": State.RUNNING, "runtime": pooled.record.runtime})
+                sb.fanout.sandbox_id = rec.id
+                sb.persistent = True
+                old_ws.rename(sb.workspace)
+                sb.runtime.spec.workspace = sb.workspace
+                sb.fanout.clear()
+                await sb.link.request("setup", {"env": env}, timeout=30)
+                self.sandboxes[sb.id] = sb
+                sb._stored = State.STARTING  # not in the store yet: put below
+                await self.store.put(sb.record)
+                sb._stored = State.RUNNING
+            else:
+                if checkpoint is None and default_limits:
+                    checkpoint = self.pool.ready_template(driver)  # None until the template is made
+                if checkpoint and not self.pool.is_template(checkpoint.id):
+                    rec.origin = rec.head = checkpoint.id
+                    rec.parent = checkpoint.sandbox
+                sb = Sandbox(self, rec)
+                sb.record = await self.store.put(rec)
+                self.sandboxes[sb.id] = sb
+                async with sb.lock:
+                    if checkpoint:
+                        how = f"from checkpoint {checkpoint.id}"
+                        await asyncio.to_thread(self.checkpoints.materialize, checkpoint, sb.workspace,
+                                                workspace_uid())
+                        await sb.boot(restore_from=self.checkpoints.state_dir(checkpoint.id))
+                        await sb.link.request("setup", {"env": env}, timeout=30)
+                    else:
+                        await sb.boot()
+                    await sb.to(State.RUNNING)
+        except BaseException:
+            if sb is not None:
+                self.sandboxes.pop(sb.id, None)
+                await sb.teardown()
+                shutil.rmtree(sb.workspace, ignore_errors=True)
+                await self.store.delete(sb.id)
+            raise
+        finally:
+            self._starting -= 1
+        log.info("sandbox %s started (%s, runtime %s, %s)", sb.id, driver, sb.record.runtime, how)
+        self.pool.refill(driver)
+        return sb
+
+    async def delete(self, sandbox_id: str) -> None:
+        sb = self.get(sandbox_id)
+        await sb.delete()
+        self.sandboxes.pop(sandbox_id, None)
+        self.gc()
+        log.info("sandbox %s deleted", sandbox_id)
+
+    def gc(self) -> int:
+        live = set(self.sandboxes)
+        keep = {c for sb in self.sandboxes.values() for c in (sb.record.origin, sb.record.resume_from) if c}
+        return self.checkpoints.gc(live, keep | set(self.pool.templates.values()))
+
+    # -- the gateway's own restart -----------------------------------------------
+    async def recover(self) -> None:
+        """At start: read this node's records back. Paused and dead sandboxes
+        come back as they were; one the last gateway left running (it was
+        killed) resumes from its newest checkpoint, or is dead if it has none.
+        Then what no record claims is removed."""
+        for name, driver in self.drivers.items():
+            n = await driver.reap()  # no runtime survives a gateway whose stream it was
+            if n:
+                log.warning("removed %d %s sandboxes left running by an earlier gateway process", n, name)
+        for rec in await self.store.list(node=self.store.node):
+            if rec.driver not in self.drivers:
+                rec = rec.model_copy(update={"state": State.DEAD, "reason": f"driver {rec.driver} is not available"})
+            elif rec.state == State.PAUSED and rec.paused_image and not Path(rec.paused_image).is_dir():
+                rec = self._lost(rec, "its paused state is missing from disk")
+            elif rec.state not in states.AT_REST:
+                rec = self._lost(rec, f"the gateway stopped while it was {rec.state}")
+            rec = rec.model_copy(update={"runtime": None})
+            sb = Sandbox(self, await self.store.put(rec))
+            sb._stored = rec.state
+            self.sandboxes[sb.id] = sb
+            log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
+        home = self.settings.home
+        for leftover in ("sandboxes", "workspaces", "paused"):
+            d = home / leftover
+            if d.is_dir():
+                for p in d.iterdir():
+                    if p.name not in self.sandboxes:
+                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    def _lost(self, rec: SandboxRecord, why: str) -> SandboxRecord:
+        """A sandbox whose running state is gone: back from its newest
+        checkpoint on first use if it has one (said in ``reason``), else dead."""
+        head = rec.head
+        if head:
+            try:
+                cp = self.checkpoints.get(head)
+            except KeyError:
+                head = None
+        if not head:
+            return rec.model_copy(update={"state": State.DEAD, "reason": f"lost: {why}, and it has no checkpoint"})
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(cp.created))
+        return rec.model_copy(update={
+            "state": State.PAUSED, "pause_mode": "disk", "paused_image": None, "resume_from": head,
+            "reason": f"{why}: it resumes from checkpoint {head} taken at {when}; later changes to its memory are lost"})
+
+    async def suspend_all(self) -> None:
+        """At exit: pause every running sandbox to disk (a few at a time, with
+        progress in the log) so the next gateway resumes them; then let go."""
+        await self.pool.close()
+        running = [sb for sb in self.sandboxes.values() if sb.state not in (State.PAUSED, State.DEAD)]
+        total, done = len(running), 0
+        if total:
+            log.info("pausing %d sandboxes to disk before exit (%d at a time)", total, self.settings.shutdown_parallel)
+        gate = asyncio.Semaphore(self.settings.shutdown_parallel)
+
+        async def one(sb: Sandbox) -> None:
+            nonlocal done
+            async with gate:
+                t0 = time.monotonic()
+                try:
+                    await sb.pause("disk")
+                    outcome = f"paused in {time.monotonic() - t0:.1f} s"
+                except Exception as e:
+                    outcome = f"could not be paused ({e}); " + (
+                        f"it will resume from checkpoint {sb.record.head}" if sb.record.head else "it is lost")
+                    if sb.state != State.DEAD:
+                        await sb.teardown()
+                    rec = self._lost(sb.record, f"it could not be paused when the gateway stopped: {e}")
+                    sb.record = await self.store.put(rec)
+                done += 1
+                log.info("shutdown: %d/%d: sandbox %s %s", done, total, sb.id, outcome)
+
+        await asyncio.gather(*(one(sb) for sb in running))
+        for sb in self.sandboxes.values():
+            await sb.detach_runtime()
+
+    async def delete_all(self) -> None:
+        """Remove every sandbox (tests, and `serve --no-keep`)."""
+        await self.pool.close()
+        await asyncio.gather(*(self.delete(i) for i in list(self.sandboxes)), return_exceptions=True)

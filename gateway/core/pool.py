@@ -1,0 +1,148 @@
+"""Warm start: a template checkpoint per driver, and a pool of sandboxes
+restored from it and ready to be handed out.
+
+The template is the checkpoint of a freshly booted kernel, made once per
+image and agent bundle (remembered in home/templates.json); a new sandbox
+restores it instead of cold-starting Python. Pooled sandboxes have no record
+in the store until one is taken and becomes a user's sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+from ..checkpoints import Checkpoint
+from .record import SandboxRecord
+from .sandbox import Sandbox
+from .states import State
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("sandgate.pool")
+
+
+def workspace_uid() -> Optional[int]:
+    """Who owns a materialised workspace: the sandbox user, when we may chown."""
+    from ..workspace import sandbox_uid
+
+    return sandbox_uid() if os.geteuid() == 0 else None
+
+
+class WarmPool:
+    def __init__(self, manager: "SandboxManager"):
+        self.manager = manager
+        self.settings = manager.settings
+        self._file = self.settings.home / "templates.json"
+        try:
+            self.templates: Dict[str, str] = json.loads(self._file.read_text())
+        except (OSError, ValueError):
+            self.templates = {}
+        self._lock = asyncio.Lock()
+        self.ready: Dict[str, List[Sandbox]] = {}
+        self._refilling: set = set()
+        self.failures = 0  # refills that failed, for operators
+
+    def _key(self, driver: str) -> str:
+        from sandgate_images import rootfs as images
+
+        return f"{driver}:{images.image_dir(self.settings.home).name}:{self.manager.agent_dir().name}"
+
+    def enabled(self, driver: str) -> bool:
+        return self.settings.warm_start and self.manager.drivers[driver].can_checkpoint
+
+    def ready_template(self, driver: str) -> Optional[Checkpoint]:
+        if not self.enabled(driver):
+            return None
+        cid = self.templates.get(self._key(driver))
+        try:
+            return self.manager.checkpoints.get(cid) if cid else None
+        except KeyError:
+            return None
+
+    def is_template(self, cid: str) -> bool:
+        return cid in self.templates.values()
+
+    def _scratch(self, prefix: str, driver: str) -> Sandbox:
+        rec = SandboxRecord(id=f"{prefix}-{uuid.uuid4().hex[:8]}", kernel_name=prefix, driver=driver,
+                            limits=self.settings.limits)
+        sb = Sandbox(self.manager, rec)
+        sb.persistent = False
+        return sb
+
+    async def template(self, driver: str) -> Optional[Checkpoint]:
+        """The driver's template, made now if there is none yet."""
+        if not self.settings.warm_start:
+            return None
+        key = self._key(driver)
+        async with self._lock:
+            cp = self.ready_template(driver)
+            if cp:
+                return cp
+            t0 = time.monotonic()
+            sb = self._scratch("template", driver)
+            try:
+                await sb.boot()
+                await sb.to(State.RUNNING)
+                cp = await sb.checkpoint("template", resume=False)
+            except Exception as e:
+                log.warning("warm start off for %s: could not make a template: %s", driver, e)
+                self.manager.drivers[driver].can_checkpoint = False
+                return None
+            finally:
+                await sb.teardown()
+                shutil.rmtree(sb.workspace, ignore_errors=True)
+            self.templates[key] = cp.id
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.templates))
+            os.replace(tmp, self._file)
+            log.info("template checkpoint %s made for %s in %.1f s", cp.id, driver, time.monotonic() - t0)
+            return cp
+
+    def take(self, driver: str) -> Optional[Sandbox]:
+        pool = self.ready.get(driver, [])
+        while pool:
+            sb = pool.pop(0)
+            if sb.state == State.RUNNING and sb.activity == "idle" and sb.link and not sb.link.closed.done():
+                return sb
+            asyncio.ensure_future(self._discard(sb))
+        return None
+
+    def refill(self, driver: str) -> None:
+        if not self.enabled(driver) or driver in self._refilling:
+            return
+        self._refilling.add(driver)
+        asyncio.ensure_future(self._refill(driver))
+
+    async def _refill(self, driver: str) -> None:
+        try:
+            pool = self.ready.setdefault(driver, [])
+            cp = await self.template(driver)
+            while cp and len(pool) < self.settings.pool_size:
+                sb = self._scratch("pool", driver)
+                await asyncio.to_thread(self.manager.checkpoints.materialize, cp, sb.workspace, workspace_uid())
+                await sb.boot(restore_from=self.manager.checkpoints.state_dir(cp.id))
+                await sb.to(State.RUNNING)
+                pool.append(sb)
+        except Exception as e:
+            self.failures += 1
+            log.warning("could not refill the warm pool for %s: %s", driver, e)
+        finally:
+            self._refilling.discard(driver)
+
+    async def _discard(self, sb: Sandbox) -> None:
+        await sb.teardown()
+        shutil.rmtree(sb.workspace, ignore_errors=True)
+
+    async def close(self) -> None:
+        for pool in self.ready.values():
+            for sb in pool:
+                await self._discard(sb)
+        self.ready.clear()

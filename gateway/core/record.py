@@ -1,0 +1,43 @@
+"""The serialisable record of one sandbox: what a store keeps, what survives
+a gateway restart, and what another node would need to take the sandbox over.
+
+The live objects (runtime process, agent link, websockets) are not in it; the
+record says how to get them back: ``runtime`` names the driver's handle on a
+running sandbox, ``paused_image`` the running state on disk, ``head`` the
+newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional
+
+from pydantic import BaseModel, Field
+
+from ..drivers.base import Limits
+from .states import State
+
+
+class SandboxRecord(BaseModel):
+    id: str
+    owner: str = ""  # the tenant that created it ("" until tenants exist)
+    kernel_name: str  # the kernelspec it was started with
+    driver: str
+    state: State = State.STARTING
+    node: str = "local"
+    head: Optional[str] = None  # newest checkpoint in this sandbox's line
+    origin: Optional[str] = None  # the checkpoint it was started (forked) from
+    parent: Optional[str] = None  # the sandbox that checkpoint was taken from
+    limits: Limits = Limits()
+    labels: Dict[str, str] = {}
+    env: Dict[str, str] = {}
+    created: float = Field(default_factory=time.time)
+    expires: Optional[float] = None  # epoch seconds; the culler deletes it after
+    runtime: Optional[str] = None  # the driver's id of the running sandbox (runsc container, VM)
+    paused_image: Optional[str] = None  # running state on disk while paused (to disk)
+    pause_mode: Optional[str] = None  # "disk" | "memory" while paused or frozen
+    # Set when the running state is gone (a gateway killed mid-flight): the
+    # sandbox resumes from this checkpoint instead, and ``reason`` says so.
+    resume_from: Optional[str] = None
+    reason: Optional[str] = None  # why it is dead, or what a recovery cost
+    version: int = 0  # bumped by the store on every write

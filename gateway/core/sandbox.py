@@ -1,0 +1,670 @@
+"""One sandbox and its lifecycle: the only place its state changes.
+
+A sandbox *is* a Jupyter kernel: its runtime (a driver's sandbox) runs the
+guest agent, which runs ipykernel. This object holds the serialisable record
+(core/record.py), the live runtime and agent link, the clients attached to
+its kernel (core/fanout.py) and the messages held while it is not running.
+
+Every lifecycle operation (checkpoint, pause, resume, restart, delete) takes
+``lock``, moves the state through the table in core/states.py, and writes the
+record to the store. Kernel messages never wait for the lock: in a holding
+state they queue (bounded) and go out in order the moment the sandbox is
+running again; only a sandbox that ends dead answers them with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable, Dict, List, Optional
+
+from sandgate_agent import protocol as P
+
+from ..agent_link import AgentError, AgentLink
+from ..checkpoints import Checkpoint, dir_size
+from ..drivers.base import Sandbox as Runtime
+from ..drivers.base import SandboxError, SandboxSpec
+from . import states
+from .errors import Conflict, Unavailable
+from .fanout import FanOut, Listener
+from .messages import error_reply, iso, iso_epoch, output_of, status_message, utcnow
+from .record import SandboxRecord
+from .states import State
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("sandgate.sandbox")
+
+
+class Held:
+    """Client messages waiting for the sandbox to run, bounded by count and bytes."""
+
+    def __init__(self, max_count: int, max_bytes: int):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.items: collections.deque = collections.deque()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, channel: str, parts: List[bytes]) -> bool:
+        size = sum(len(p) for p in parts)
+        if len(self.items) >= self.max_count or self.bytes + size > self.max_bytes:
+            return False
+        self.items.append((channel, parts))
+        self.bytes += size
+        return True
+
+    def take(self) -> List[tuple]:
+        items, self.items, self.bytes = list(self.items), collections.deque(), 0
+        return items
+
+
+class Collector:
+    """An internal listener: gathers one cell's output for the sandbox API."""
+
+    replay = False
+
+    def __init__(self, session: str):
+        self.session_ids = {session}
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def deliver(self, channel: str, parts: List[bytes]) -> None:
+        self.queue.put_nowait((channel, parts))
+
+
+class Sandbox:
+    def __init__(self, manager: "SandboxManager", record: SandboxRecord):
+        self.manager = manager
+        self.record = record
+        self._stored = record.state  # the state the store holds, for compare-and-set
+        self.runtime: Optional[Runtime] = None
+        self.link: Optional[AgentLink] = None
+        s = manager.settings
+        self.fanout = FanOut(record.id, s.replay_messages)
+        self.held = Held(s.held_messages, s.held_mb << 20)
+        self.pending: Dict[str, dict] = {}  # execute_request headers awaiting their reply
+        self.activity = "starting"  # the kernel's own execution_state: starting, idle, busy, restarting
+        self.last_activity = utcnow()
+        self.lock = asyncio.Lock()  # one lifecycle operation at a time
+        self.persistent = True  # False for the warm pool and templates: no record in the store
+        self._watch: Optional[asyncio.Task] = None
+        self._waking: Optional[asyncio.Task] = None
+
+    # -- the record ----------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def state(self) -> State:
+        return self.record.state
+
+    @property
+    def driver(self):
+        return self.manager.drivers[self.record.driver]
+
+    @property
+    def workspace(self) -> Path:
+        return self.manager.settings.home / "workspaces" / self.id
+
+    @property
+    def execution_state(self) -> str:
+        """The Jupyter view: the kernel's own state while running."""
+        st = self.state
+        if st in (State.STARTING, State.RESTARTING):
+            return st.value
+        if st in (State.DEAD, State.DELETED):
+            return "dead"
+        if st in (State.PAUSED, State.FROZEN):
+            return "paused"
+        return self.activity
+
+    def _set(self, new: State, **changes) -> State:
+        """Move to ``new`` (the table must allow it) in memory, at once."""
+        old = self.record.state
+        states.check(old, new)
+        self.record = self.record.model_copy(update={"state": new, **changes})
+        log.info("sandbox %s: %s -> %s%s", self.id, old, new,
+                 f" ({self.record.reason})" if new == State.DEAD and self.record.reason else "")
+        if new == State.RUNNING:
+            self._send_held()
+        elif new in (State.DEAD, State.DELETED):
+            why = self.record.reason if new == State.DEAD else "the sandbox was deleted"
+            self._fail_waiting(why or "no sandbox")
+        return old
+
+    async def save(self) -> None:
+        """Write the record; compare-and-set against the state last written."""
+        rec = self.record
+        if not self.persistent:
+            return
+        if rec.state == State.DELETED:
+            await self.manager.store.delete(rec.id)
+            return
+        if not await self.manager.store.compare_and_set(rec, self._stored):
+            current = await self.manager.store.get(rec.id)
+            if current is None or current.state != rec.state:
+                # Another writer moved it: ours is the live copy on this node; say so loudly.
+                log.error("sandbox %s: store held %s where %s was expected; overwriting with %s", self.id,
+                          current.state if current else "nothing", self._stored, rec.state)
+            self.record = await self.manager.store.put(rec)
+        else:
+            self.record = rec.model_copy(update={"version": rec.version + 1})
+        self._stored = rec.state
+
+    async def to(self, new: State, **changes) -> None:
+        self._set(new, **changes)
+        await self.save()
+
+    def to_now(self, new: State, **changes) -> None:
+        """For callbacks that cannot wait (the runtime died): memory now, store soon."""
+        self._set(new, **changes)
+        asyncio.ensure_future(self.save())
+
+    def model(self) -> dict:
+        """The Jupyter kernel model."""
+        m = {"id": self.id, "name": self.record.kernel_name, "last_activity": iso(self.last_activity),
+             "execution_state": self.execution_state, "connections": len(self.fanout), "driver": self.record.driver,
+             "created": iso_epoch(self.record.created)}
+        if self.record.expires:
+            m["expires"] = iso_epoch(self.record.expires)
+        if self.record.reason:
+            m["reason"] = self.record.reason
+        return m
+
+    # -- the runtime ---------------------------------------------------------
+    def new_spec(self) -> SandboxSpec:
+        s, r = self.manager.settings, self.record
+        return SandboxSpec(id=f"sg-{self.id}-{uuid.uuid4().hex[:6]}", rootfs=self.manager.rootfs(),
+                           agent_dir=self.manager.agent_dir(), workspace=self.workspace,
+                           state_dir=s.home / "sandboxes" / self.id, env=r.env, limits=r.limits,
+                           workspace_seed=self.manager.checkpoints.state_dir(r.head) if r.head else None)
+
+    async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
+        """Start the runtime, cold or from a checkpoint image (``consume``: the
+        image may be moved, see Driver.restore); the caller owns the state.
+        Raises Unavailable with the reason when the runtime does not come up."""
+        s = self.manager.settings
+        spec = self.new_spec()
+        try:
+            runtime = await (self.driver.restore(spec, restore_from, consume) if restore_from
+                             else self.driver.create(spec))
+        except SandboxError as e:
+            raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
+        self.runtime = runtime
+        self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
+        exited = asyncio.ensure_future(runtime.wait())
+        # A restored agent said "ready" long ago; it is asked to reconnect instead.
+        ready = asyncio.ensure_future(self.link.request("reconnect", {"clock": time.time()},
+                                                        timeout=s.kernel_start_timeout)
+                                      if restore_from else self.link.ready)
+        done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done or ready.exception():
+            if not exited.done():  # a dying runtime closes its stream first: its last words follow
+                await asyncio.wait({exited}, timeout=1)
+            if exited.done():
+                why = runtime.failure()
+            elif ready.done():
+                why = str(ready.exception())
+            else:
+                why = f"agent not ready within {s.kernel_start_timeout:g} s ({runtime.failure()})"
+            ready.cancel()
+            exited.cancel()
+            await self.teardown()
+            raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
+        if not restore_from and self.record.env and not self.driver.env_at_boot:
+            await self.link.request("setup", {"env": self.record.env}, timeout=30)
+        self.activity = "idle"
+        self.record = self.record.model_copy(update={"runtime": runtime.id})
+        self._watch = asyncio.ensure_future(self._watch_runtime(exited))
+
+    async def teardown(self) -> None:
+        """Stop the runtime, if any; files and record stay."""
+        if self.state == State.FROZEN and self.runtime:  # not every runtime kills a frozen sandbox cleanly
+            try:
+                await self.driver.thaw(self.runtime)
+            except SandboxError:
+                pass
+        if self._watch:
+            self._watch.cancel()
+            self._watch = None
+        if self.link:
+            await self.link.close()
+            self.link = None
+        if self.runtime:
+            await self.runtime.destroy()
+            self.runtime = None
+        self.record = self.record.model_copy(update={"runtime": None})
+
+    async def _watch_runtime(self, exited: asyncio.Future) -> None:
+        link, runtime = self.link, self.runtime
+        await asyncio.wait({exited, link.closed}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():  # a dying runtime closes its stream first: give it a moment
+            await asyncio.wait({exited}, timeout=2)
+        if not exited.done():
+            # The stream broke (say, garbage from a compromised agent) while the
+            # runtime runs on: nothing could reach it any more, so it is stopped.
+            why = f"agent stream lost: {link.closed.result()}"
+            log.error("sandbox %s: %s; stopping its runtime", self.id, why)
+        else:
+            why = runtime.failure()
+        self._watch = None  # teardown must not cancel this task: it is this task
+        await self.teardown()
+        if self.state not in (State.DEAD, State.DELETED):
+            self.to_now(State.DEAD, reason=why)
+            self.fanout.broadcast("iopub", status_message("dead"))
+
+    async def _stop_into(self, image_dir: Path) -> None:
+        """Checkpoint the running runtime into ``image_dir``; it is stopped after.
+        If the driver fails first, the runtime keeps running untouched."""
+        # A barrier: the agent reads its stream in order, so once it answers, every
+        # frame sent before is inside the sandbox (and so in the image), not in a
+        # host pipe that the checkpoint would leave behind.
+        if not self.link:
+            raise Unavailable(f"sandbox {self.id} has no runtime to checkpoint")
+        try:
+            await self.link.request("ping", timeout=30)
+        except AgentError as e:
+            raise Unavailable(f"sandbox {self.id} cannot be checkpointed: its agent does not answer: {e}") from None
+        if self.driver.sync_before_checkpoint:
+            try:
+                await self.link.request("sync", timeout=60)
+            except AgentError as e:  # the memory image still holds what was not flushed
+                log.warning("sandbox %s: the guest could not flush its disks before the checkpoint: %s", self.id, e)
+        if self._watch:
+            self._watch.cancel()
+            self._watch = None
+        try:
+            await self.driver.checkpoint(self.runtime, image_dir)
+        except BaseException as e:
+            if self.runtime and self.runtime.running:
+                if self.runtime.reader is not self.link.reader:
+                    # The driver had to reconnect to the agent (Firecracker resets
+                    # vsock on a snapshot): the link moves to the new stream.
+                    await self.link.close()
+                    self.link = AgentLink(self.runtime.reader, self.runtime.writer, self._on_kernel, self._on_event)
+                    await self.link.request("reconnect", {"clock": time.time()}, timeout=30)
+                self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
+                raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            await self.teardown()
+            raise _Stopped(f"checkpoint failed after the sandbox stopped: {e}") from None
+        old = self.link
+        try:  # frames the agent wrote before it froze are still in the pipe
+            await asyncio.wait_for(asyncio.shield(old.closed), 10)
+        except asyncio.TimeoutError:
+            pass
+        await self.teardown()
+
+    # -- lifecycle operations ------------------------------------------------
+    async def _run_again(self) -> None:
+        """Called with the lock held: make sure it is running (resume a paused
+        or frozen one); Conflict if it cannot serve, naming the state."""
+        if self.state in states.WAKES:
+            await self._resume()
+        if self.state != State.RUNNING:
+            raise Conflict(f"sandbox {self.id} is {self.state}"
+                           + (f": {self.record.reason}" if self.record.reason else ""), state=self.state.value)
+
+    async def ensure_running(self) -> None:
+        async with self.lock:
+            await self._run_again()
+
+    async def checkpoint(self, name: str = "", resume: bool = True) -> Checkpoint:
+        async with self.lock:
+            await self._run_again()
+            return await self._checkpoint(name, resume)
+
+    async def _checkpoint(self, name: str, resume: bool) -> Checkpoint:
+        store = self.manager.checkpoints
+        await self.to(State.CHECKPOINTING)
+        cid, _ = store.new_dir()
+        image = store.state_dir(cid)
+        t0 = time.monotonic()
+        try:
+            await self._stop_into(image)
+        except _Stopped as e:
+            store.discard(cid)
+            await self.to(State.DEAD, reason=str(e))
+            raise Unavailable(str(e)) from None
+        except BaseException:
+            store.discard(cid)
+            if self.state == State.CHECKPOINTING:
+                await self.to(State.RUNNING)
+            raise
+        try:
+            files, new = await asyncio.to_thread(store.snapshot, self.workspace)  # stopped: same instant as memory
+            cp = Checkpoint(id=cid, sandbox=self.id, parent=self.record.head, created=time.time(), name=name,
+                            state_bytes=dir_size(image), files=files,
+                            files_bytes=sum(f.size for f in files.values()), new_bytes=new)
+            store.commit(cp)  # from here on it is listed, and whole
+        except BaseException as e:
+            await self._carry_on(image, consume=True)  # the sandbox carries on regardless
+            store.discard(cid)
+            raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+        self.record = self.record.model_copy(update={"head": cid})
+        if resume:
+            await self._carry_on(image, consume=False, after=f"checkpoint {cid} was saved, but")
+        else:
+            await self.to(State.DEAD, reason="stopped after its checkpoint")
+        log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
+                 time.monotonic() - t0, cp.state_bytes, new)
+        return cp
+
+    async def _carry_on(self, image: Path, consume: bool, after: str = "") -> None:
+        """Back to running from the image just taken, or dead saying why."""
+        try:
+            await self.boot(restore_from=image, consume=consume)
+        except Unavailable as e:
+            why = f"{after} the sandbox could not carry on from it: {e}" if after else str(e)
+            await self.to(State.DEAD, reason=why.strip())
+            raise Unavailable(self.record.reason) from None
+        await self.to(State.RUNNING, reason=None)
+
+    async def pause(self, mode: str = "disk") -> None:
+        """``disk``: checkpoint and stop, memory freed. ``memory``: the driver
+        freezes the runtime where it is; resuming takes milliseconds."""
+        async with self.lock:
+            if self.state == State.PAUSED or (self.state == State.FROZEN and mode == "memory"):
+                return
+            if self.state == State.FROZEN:  # to disk from memory: thawed first, then checkpointed
+                await self._resume()
+            await self._run_again()
+            await self._pause(mode)
+
+    async def _pause(self, mode: str) -> None:
+        await self.to(State.PAUSING)
+        if mode == "memory":
+            try:
+                await self.driver.freeze(self.runtime)
+            except SandboxError as e:
+                await self.to(State.RUNNING)
+                raise Unavailable(f"could not pause sandbox {self.id} in memory: {e}") from None
+            await self.to(State.FROZEN, pause_mode="memory")
+            return
+        image = self.manager.settings.home / "paused" / self.id
+        shutil.rmtree(image, ignore_errors=True)
+        try:
+            await self._stop_into(image)
+        except _Stopped as e:
+            await self.to(State.DEAD, reason=str(e))
+            raise Unavailable(str(e)) from None
+        except BaseException:
+            if self.state == State.PAUSING:
+                await self.to(State.RUNNING)
+            raise
+        await self.to(State.PAUSED, pause_mode="disk", paused_image=str(image))
+        log.info("sandbox %s paused (state on disk, %d B)", self.id, dir_size(image))
+
+    async def resume(self) -> None:
+        async with self.lock:
+            if self.state in states.WAKES:
+                await self._resume()
+
+    async def _resume(self) -> None:
+        r = self.record
+        await self.to(State.RESUMING)
+        if r.state == State.FROZEN:
+            try:
+                await self.driver.thaw(self.runtime)
+            except SandboxError as e:
+                await self.teardown()
+                await self.to(State.DEAD, reason=f"could not be thawed: {e}", pause_mode=None)
+                raise Unavailable(self.record.reason) from None
+            await self.to(State.RUNNING, pause_mode=None)
+            return
+        if r.paused_image:
+            image, consume = Path(r.paused_image), True
+        elif r.resume_from:
+            image, consume = self.manager.checkpoints.state_dir(r.resume_from), False
+        else:
+            await self.to(State.DEAD, reason="paused without a running-state image")
+            raise Unavailable(self.record.reason)
+        try:
+            await self.boot(restore_from=image, consume=consume)
+        except Unavailable as e:
+            # The driver left the image whole (Driver.restore): still paused, and
+            # the next call tries again; the reason stays on the sandbox meanwhile.
+            await self.to(State.PAUSED, reason=str(e))
+            raise
+        if consume:
+            shutil.rmtree(image, ignore_errors=True)
+        await self.to(State.RUNNING, paused_image=None, pause_mode=None, resume_from=None,
+                      reason=None if not r.resume_from else r.reason)
+        log.info("sandbox %s resumed", self.id)
+
+    def _wake(self) -> None:
+        """A message arrived while paused: resume. If that fails, the held
+        messages get an error reply rather than waiting forever."""
+        if self._waking and not self._waking.done():
+            return
+
+        async def wake():
+            try:
+                await self.resume()
+            except Exception as e:
+                self._fail_waiting(f"it could not be resumed: {e}")
+
+        self._waking = asyncio.ensure_future(wake())
+
+    async def interrupt(self) -> None:
+        if self.state in states.HOLDING and self.state not in states.WAKES:
+            async with self.lock:  # after the checkpoint or restart in flight
+                pass
+        if self.state in states.WAKES:
+            return  # a paused kernel runs nothing
+        if self.state != State.RUNNING or not self.link:
+            raise Conflict(f"sandbox {self.id} is {self.state}: {self.record.reason or 'no runtime'}",
+                           state=self.state.value)
+        try:
+            await self.link.request("interrupt", timeout=10)
+        except AgentError as e:
+            raise Unavailable(f"could not interrupt sandbox {self.id}: {e}") from None
+
+    async def restart(self) -> None:
+        """Restart ipykernel in its runtime; a dead runtime is created anew
+        over the same workspace, so files survive either way."""
+        async with self.lock:
+            if self.state in states.WAKES:
+                await self._resume()
+            in_place = self.state == State.RUNNING and self.link and not self.link.closed.done()
+            await self.to(State.RESTARTING)
+            self.fanout.broadcast("iopub", status_message("restarting"))
+            self._fail_pending("the kernel was restarted")
+            if in_place:
+                try:
+                    await self.link.request("restart", timeout=self.manager.settings.kernel_start_timeout)
+                    self.activity = "idle"
+                    await self.to(State.RUNNING, reason=None)
+                    return
+                except AgentError as e:
+                    log.warning("sandbox %s: in-sandbox restart failed (%s); recreating the runtime", self.id, e)
+            await self.teardown()
+            try:
+                await self.boot()
+            except Unavailable as e:
+                await self.to(State.DEAD, reason=str(e))
+                raise
+            await self.to(State.RUNNING, reason=None)
+            self.fanout.broadcast("iopub", status_message("idle"))
+
+    async def delete(self) -> None:
+        async with self.lock:
+            await self.teardown()
+            shutil.rmtree(self.workspace, ignore_errors=True)
+            shutil.rmtree(self.manager.settings.home / "sandboxes" / self.id, ignore_errors=True)
+            if self.record.paused_image:
+                shutil.rmtree(self.record.paused_image, ignore_errors=True)
+            if self.state != State.DELETED:
+                await self.to(State.DELETED)
+
+    async def detach_runtime(self) -> None:
+        """The gateway exits and leaves this sandbox as it is (dead or paused)."""
+        if self.link:
+            await self.link.close()
+            self.link = None
+
+    # -- kernel messages -----------------------------------------------------
+    def send(self, channel: str, parts: List[bytes], header: dict) -> None:
+        """A client's message for the kernel: sent now, held, or refused (Conflict)."""
+        st = self.state
+        if st in (State.DEAD, State.DELETED):
+            raise Conflict(f"sandbox {self.id} is {st}: {self.record.reason or 'no runtime'}", state=st.value)
+        self.last_activity = utcnow()
+        if header.get("msg_type") == "execute_request":
+            self.pending[header.get("msg_id")] = header
+        if st == State.RUNNING and self.link:
+            try:
+                self.link.send_kernel(channel, parts)
+            except AgentError:
+                pass  # the stream just broke: the watcher marks it dead and answers what is pending
+            return
+        if not self.held.add(channel, parts):
+            self.pending.pop(header.get("msg_id"), None)
+            why = (f"the sandbox is {st} and {len(self.held)} messages ({self.held.bytes >> 10} KiB) already wait "
+                   f"for it (at most {self.held.max_count} and {self.held.max_bytes >> 20} MiB)")
+            log.warning("sandbox %s: refused a %s: %s", self.id, header.get("msg_type"), why)
+            if header.get("msg_type") == "execute_request":
+                self.fanout.reply("shell", error_reply(header, "SandboxBusy", why))
+                self.fanout.broadcast("iopub", status_message("idle", header))
+            return
+        if st in states.WAKES:
+            self._wake()
+
+    def _send_held(self) -> None:
+        if not self.held or not self.link:
+            return
+        for channel, parts in self.held.take():
+            self.link.send_kernel(channel, parts)
+
+    def _fail_waiting(self, why: str) -> None:
+        self.held.take()
+        self._fail_pending(why)
+
+    def _fail_pending(self, why: str) -> None:
+        """Answer every execute_request the kernel will never answer, so no
+        client waits forever (Kernel Gateway leaves them hanging)."""
+        pending, self.pending = self.pending, {}
+        for header in pending.values():
+            evalue = f"The kernel died while running this cell ({why}); its state is lost"
+            self.fanout.reply("shell", error_reply(header, "DeadKernelError", evalue))
+            self.fanout.broadcast("iopub", status_message("idle", header))
+
+    def _on_kernel(self, channel: str, parts: List[bytes]) -> None:
+        self.last_activity = utcnow()
+        if channel == "shell" and self.pending and b"execute_reply" in parts[0]:
+            try:
+                self.pending.pop(json.loads(parts[1]).get("msg_id"), None)
+            except (ValueError, AttributeError):
+                pass
+        if channel == "iopub" and b'"status"' in parts[0]:
+            try:
+                state = json.loads(parts[3]).get("execution_state")
+                # ipykernel's own "starting" can arrive after the agent said
+                # ready; starting is the gateway's to say (boot, restart).
+                if state and state != "starting" and json.loads(parts[0]).get("msg_type") == "status":
+                    self.activity = state
+            except (ValueError, AttributeError):
+                pass
+        self.fanout.route(channel, parts)
+
+    def _on_event(self, ev: P.EventFrame) -> None:
+        if ev.event == "kernel_died":
+            final = ev.data.get("final")
+            log.warning("sandbox %s: ipykernel exited with status %s%s", self.id, ev.data.get("exit_code"),
+                        "; giving up: " + ev.data.get("reason", "") if final else "; restarting it")
+            self._fail_pending(f"ipykernel exited with status {ev.data.get('exit_code')}")
+            if final and self.state == State.RUNNING:
+                self.to_now(State.DEAD, reason=ev.data.get("reason") or "ipykernel gave up")
+                self.fanout.broadcast("iopub", status_message("dead"))
+            else:
+                self.activity = "restarting"
+                self.fanout.broadcast("iopub", status_message("restarting"))
+        elif ev.event == "kernel_restarted":
+            log.info("sandbox %s: ipykernel restarted after a crash", self.id)
+            self.activity = "idle"
+            # The new kernel's own "starting" can be published before the agent's
+            # SUB socket reconnects; this one always arrives.
+            self.fanout.broadcast("iopub", status_message("idle"))
+        elif ev.event == "dropped":
+            log.warning("sandbox %s: agent dropped %s messages while detached", self.id, ev.data.get("frames"))
+
+    def attach(self, conn: Listener) -> None:
+        self.fanout.attach(conn)
+
+    def detach(self, conn: Listener) -> None:
+        self.fanout.detach(conn)
+
+    # -- one cell, for the sandbox API ----------------------------------------
+    async def execute(self, code: str, timeout: float,
+                      on_output: Optional[Callable[[dict], Awaitable[None]]] = None) -> dict:
+        """Run one cell and return its outputs; on timeout the cell is interrupted."""
+        if self.state in states.WAKES:
+            await self.resume()  # a failure to resume is the caller's error, not a cell's
+        session, msg_id = uuid.uuid4().hex, uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": "execute_request", "session": session, "username": "sandgate",
+                  "date": iso(utcnow()), "version": "5.3"}
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": True}
+        parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        collector = Collector(session)
+        self.fanout.attach(collector)
+        outputs, reply, idle, status = [], None, False, "ok"
+        try:
+            self.send("shell", parts, header)
+            deadline = time.monotonic() + timeout
+            while not (reply and idle):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if status == "timeout":
+                        break  # interrupted, and still no reply: give up waiting
+                    status = "timeout"
+                    try:
+                        await self.interrupt()
+                    except (Conflict, Unavailable):
+                        break
+                    # Wait for the interrupted cell to end, or ipykernel would
+                    # abort the next request as part of the failed cell's queue.
+                    deadline = time.monotonic() + 10
+                    continue
+                try:
+                    channel, got = await asyncio.wait_for(collector.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    continue
+                if msg_id.encode() not in got[1]:
+                    continue
+                h, c = json.loads(got[0]), json.loads(got[3])
+                if channel == "shell" and h["msg_type"] == "execute_reply":
+                    reply = c
+                elif h["msg_type"] == "status":
+                    idle = c.get("execution_state") == "idle"
+                else:
+                    out = output_of(h["msg_type"], c)
+                    if out:
+                        outputs.append(out)
+                        if on_output:
+                            await on_output(out)
+        finally:
+            self.fanout.detach(collector)
+        if reply and status == "ok":
+            status = reply.get("status", "ok")
+        error = next((o for o in outputs if o["type"] == "error"), None)
+        if error is None and reply and reply.get("status") == "error":
+            error = output_of("error", reply)  # e.g. DeadKernelError: in the reply only
+        return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
+                "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
+                "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
+                "error": error}
+
+
+class _Stopped(Exception):
+    """A checkpoint failed after the runtime had stopped: the sandbox is gone."""
+

@@ -1,0 +1,68 @@
+"""The embedded session store: one SQLite file under the gateway's home.
+
+No service to run. WAL mode with ``synchronous=NORMAL``: a commit is a write
+to the log without an fsync (a power cut can lose the last few transitions,
+never corrupt the file), a few hundred microseconds, so the calls run on the
+event loop. A transition's compare-and-set is one ``UPDATE ... WHERE state =``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import List, Optional
+
+from ..core.record import SandboxRecord
+from ..core.states import State
+from .base import SessionStore
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    state TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    record TEXT NOT NULL
+)
+"""
+
+
+class SQLiteStore(SessionStore):
+    def __init__(self, path: Path, node: str = "local"):
+        self.node = node
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), isolation_level=None)  # autocommit; one statement each
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(SCHEMA)
+        path.chmod(0o600)
+
+    async def get(self, sandbox_id: str) -> Optional[SandboxRecord]:
+        row = self.db.execute("SELECT record FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return SandboxRecord.model_validate_json(row[0]) if row else None
+
+    async def put(self, record: SandboxRecord) -> SandboxRecord:
+        row = self.db.execute("SELECT version FROM sandboxes WHERE id = ?", (record.id,)).fetchone()
+        record = record.model_copy(update={"version": (row[0] if row else 0) + 1})
+        self.db.execute("INSERT OR REPLACE INTO sandboxes (id, node, state, version, record) VALUES (?, ?, ?, ?, ?)",
+                        (record.id, record.node, record.state.value, record.version, record.model_dump_json()))
+        return record
+
+    async def compare_and_set(self, record: SandboxRecord, expected: State) -> bool:
+        new = record.model_copy(update={"version": record.version + 1})
+        cur = self.db.execute("UPDATE sandboxes SET node = ?, state = ?, version = version + 1, record = ? "
+                              "WHERE id = ? AND state = ?",
+                              (new.node, new.state.value, new.model_dump_json(), new.id, expected.value))
+        return cur.rowcount == 1
+
+    async def delete(self, sandbox_id: str) -> None:
+        self.db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    async def list(self, node: Optional[str] = None) -> List[SandboxRecord]:
+        q, args = "SELECT record FROM sandboxes", ()
+        if node is not None:
+            q, args = q + " WHERE node = ?", (node,)
+        return [SandboxRecord.model_validate_json(r[0]) for r in self.db.execute(q + " ORDER BY rowid", args)]
+
+    async def close(self) -> None:
+        self.db.close()
