@@ -46,6 +46,8 @@ def cmd_serve(args) -> int:
     # One gateway per home: at start it reclaims whatever sandboxes and
     # workspaces are there, which would be another live gateway's.
     settings.home.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        settings.home.chmod(0o700)  # sandbox files, checkpoints and the session store are root's alone
     lock = open(settings.home / "gateway.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

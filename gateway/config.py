@@ -39,6 +39,9 @@ class Settings(BaseModel):
     held_messages: int = Field(1000, ge=1)  # per sandbox, while it is not running
     held_mb: int = Field(64, ge=1)
     shutdown_parallel: int = Field(4, ge=1, le=64)  # sandboxes paused at once on exit
+    checkpoint_max_bytes: int = Field(16 << 30, ge=0)  # a workspace snapshot's logical size
+    checkpoint_max_new_bytes: int = Field(4 << 30, ge=0)  # what one snapshot may add to the blob store
+    checkpoint_max_files: int = Field(100_000, ge=0)
     keep_sandboxes: bool = True  # at exit, pause sandboxes to disk for the next start; false deletes them
     env_allow: List[str] = []  # env names passed to kernels besides KERNEL_*
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
@@ -57,6 +60,9 @@ class Settings(BaseModel):
         "max_disk_mb": "SANDGATE_MAX_DISK_MB", "max_ttl": "SANDGATE_MAX_TTL",
         "held_messages": "SANDGATE_HELD_MESSAGES", "held_mb": "SANDGATE_HELD_MB",
         "shutdown_parallel": "SANDGATE_SHUTDOWN_PARALLEL", "keep_sandboxes": "SANDGATE_KEEP_SANDBOXES",
+        "checkpoint_max_bytes": "SANDGATE_CHECKPOINT_MAX_BYTES",
+        "checkpoint_max_new_bytes": "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
+        "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

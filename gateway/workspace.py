@@ -142,15 +142,17 @@ class Workspace:
     """One sandbox's workspace: ``path`` is the directory the driver mounts at
     /workspace (with a quota, a mount point of its own)."""
 
-    def __init__(self, root: Path, sandbox_id: str, size_mb: int, uid: int):
+    def __init__(self, root: Path, sandbox_id: str, size_mb: int, uid: int, disk: bool = True):
+        """``disk=False``: a plain directory whatever the host supports (a VM's
+        workspace is a disk image of its own, kept in this directory)."""
         if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
             raise WorkspaceError(f"bad workspace id {sandbox_id!r}")
         self.root = Path(root)
         self.id = sandbox_id
         self.size_mb = size_mb
         self.uid = uid
-        self.quota, why = quota_supported()
-        if not self.quota:
+        self.quota, why = quota_supported() if disk else (False, "")
+        if not self.quota and disk:
             global _warned
             if not _warned:
                 _warned = True
@@ -264,7 +266,7 @@ class Workspace:
     async def rename(self, new_id: str) -> None:
         """Give the workspace another id (a pooled sandbox taking the user's).
         A running sandbox keeps its own mount of it and notices nothing."""
-        new = Workspace(self.root, new_id, self.size_mb, self.uid)
+        new = Workspace(self.root, new_id, self.size_mb, self.uid, disk=self.quota)
         async with self._lock:
             if new.path.exists() or new.image.exists():
                 raise WorkspaceError(f"workspace {new_id} exists already")

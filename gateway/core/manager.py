@@ -18,14 +18,15 @@ from typing import Dict, List, Optional
 
 from sandgate_images import rootfs as images
 
-from ..checkpoints import Checkpoint, CheckpointStore
+from ..checkpoints import Checkpoint, CheckpointStore, SnapshotLimits
 from ..config import Settings
 from ..drivers.base import Driver, Limits
 from ..kernelspecs import KernelSpecs
+from ..workspace import WorkspaceError, reap_mounts
 from ..store.base import SessionStore
 from . import states
 from .errors import LimitReached, NotFound, Unavailable
-from .pool import WarmPool, workspace_uid
+from .pool import WarmPool
 from .record import SandboxRecord
 from .sandbox import Sandbox
 from .states import State
@@ -43,7 +44,9 @@ class SandboxManager:
         self._starting = 0
         self._rootfs: Optional[Path] = None
         self._agent_dir: Optional[Path] = None
-        self.checkpoints = CheckpointStore(settings.home / "checkpoints")
+        self.checkpoints = CheckpointStore(settings.home / "checkpoints", SnapshotLimits(
+            max_bytes=settings.checkpoint_max_bytes, max_new_bytes=settings.checkpoint_max_new_bytes,
+            max_files=settings.checkpoint_max_files))
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
 
@@ -87,11 +90,11 @@ class SandboxManager:
             pooled = None if checkpoint or not default_limits else self.pool.take(driver)
             if pooled:  # warm, already running: the start costs one setup call
                 sb, how = pooled, "from the warm pool"
-                old_ws = sb.workspace
+                # Already running: its new record starts as running.
                 sb.record = rec.model_copy(update={"state": State.RUNNING, "runtime": pooled.record.runtime})
                 sb.fanout.sandbox_id = rec.id
                 sb.persistent = True
-                old_ws.rename(sb.workspace)
+                await sb.ws.rename(rec.id)
                 sb.runtime.spec.workspace = sb.workspace
                 sb.fanout.clear()
                 await sb.link.request("setup", {"env": env}, timeout=30)
@@ -111,8 +114,7 @@ class SandboxManager:
                 async with sb.lock:
                     if checkpoint:
                         how = f"from checkpoint {checkpoint.id}"
-                        await asyncio.to_thread(self.checkpoints.materialize, checkpoint, sb.workspace,
-                                                workspace_uid())
+                        await sb.fill_workspace(checkpoint)
                         await sb.boot(restore_from=self.checkpoints.state_dir(checkpoint.id))
                         await sb.link.request("setup", {"env": env}, timeout=30)
                     else:
@@ -122,7 +124,7 @@ class SandboxManager:
             if sb is not None:
                 self.sandboxes.pop(sb.id, None)
                 await sb.teardown()
-                shutil.rmtree(sb.workspace, ignore_errors=True)
+                await sb.ws.delete()
                 await self.store.delete(sb.id)
             raise
         finally:
@@ -135,13 +137,14 @@ class SandboxManager:
         sb = self.get(sandbox_id)
         await sb.delete()
         self.sandboxes.pop(sandbox_id, None)
-        self.gc()
+        await self.gc()
         log.info("sandbox %s deleted", sandbox_id)
 
-    def gc(self) -> int:
+    async def gc(self) -> int:
+        """Checkpoints no live sandbox's line needs, and their blobs (off the loop)."""
         live = set(self.sandboxes)
         keep = {c for sb in self.sandboxes.values() for c in (sb.record.origin, sb.record.resume_from) if c}
-        return self.checkpoints.gc(live, keep | set(self.pool.templates.values()))
+        return await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
 
     # -- the gateway's own restart -----------------------------------------------
     async def recover(self) -> None:
@@ -161,16 +164,23 @@ class SandboxManager:
             elif rec.state not in states.AT_REST:
                 rec = self._lost(rec, f"the gateway stopped while it was {rec.state}")
             rec = rec.model_copy(update={"runtime": None})
-            sb = Sandbox(self, await self.store.put(rec))
+            sb = Sandbox(self, rec)
+            try:
+                await sb.ws.attach()
+            except WorkspaceError as e:
+                if rec.state != State.DEAD:
+                    sb.record = rec = rec.model_copy(update={"state": State.DEAD, "reason": f"lost: {e}"})
+            sb.record = await self.store.put(rec)
             sb._stored = rec.state
             self.sandboxes[sb.id] = sb
             log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
         home = self.settings.home
+        await reap_mounts(home / "workspaces", keep=self.sandboxes)
         for leftover in ("sandboxes", "workspaces", "paused"):
             d = home / leftover
             if d.is_dir():
                 for p in d.iterdir():
-                    if p.name not in self.sandboxes:
+                    if p.name.removesuffix(".img") not in self.sandboxes:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _lost(self, rec: SandboxRecord, why: str) -> SandboxRecord:

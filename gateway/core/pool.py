@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from typing import TYPE_CHECKING, Dict, List, Optional
@@ -27,13 +26,6 @@ if TYPE_CHECKING:
     from .manager import SandboxManager
 
 log = logging.getLogger("sandgate.pool")
-
-
-def workspace_uid() -> Optional[int]:
-    """Who owns a materialised workspace: the sandbox user, when we may chown."""
-    from ..workspace import sandbox_uid
-
-    return sandbox_uid() if os.geteuid() == 0 else None
 
 
 class WarmPool:
@@ -98,7 +90,7 @@ class WarmPool:
                 return None
             finally:
                 await sb.teardown()
-                shutil.rmtree(sb.workspace, ignore_errors=True)
+                await sb.ws.delete()
             self.templates[key] = cp.id
             tmp = self._file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.templates))
@@ -127,7 +119,7 @@ class WarmPool:
             cp = await self.template(driver)
             while cp and len(pool) < self.settings.pool_size:
                 sb = self._scratch("pool", driver)
-                await asyncio.to_thread(self.manager.checkpoints.materialize, cp, sb.workspace, workspace_uid())
+                await sb.fill_workspace(cp)
                 await sb.boot(restore_from=self.manager.checkpoints.state_dir(cp.id))
                 await sb.to(State.RUNNING)
                 pool.append(sb)
@@ -139,7 +131,7 @@ class WarmPool:
 
     async def _discard(self, sb: Sandbox) -> None:
         await sb.teardown()
-        shutil.rmtree(sb.workspace, ignore_errors=True)
+        await sb.ws.delete()
 
     async def close(self) -> None:
         for pool in self.ready.values():

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -27,11 +28,12 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Dict, List, Optional
 from sandgate_agent import protocol as P
 
 from ..agent_link import AgentError, AgentLink
-from ..checkpoints import Checkpoint, dir_size
+from ..checkpoints import Checkpoint, SnapshotTooLarge, dir_size
 from ..drivers.base import Sandbox as Runtime
 from ..drivers.base import SandboxError, SandboxSpec
+from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, Unavailable
+from .errors import Conflict, LimitReached, Unavailable
 from .fanout import FanOut, Listener
 from .messages import error_reply, iso, iso_epoch, output_of, status_message, utcnow
 from .record import SandboxRecord
@@ -94,6 +96,8 @@ class Sandbox:
         self.activity = "starting"  # the kernel's own execution_state: starting, idle, busy, restarting
         self.last_activity = utcnow()
         self.lock = asyncio.Lock()  # one lifecycle operation at a time
+        self.ws = Workspace(s.home / "workspaces", record.id, record.limits.disk_mb, sandbox_uid(),
+                            disk=manager.drivers[record.driver].shares_workspace)
         self.persistent = True  # False for the warm pool and templates: no record in the store
         self._watch: Optional[asyncio.Task] = None
         self._waking: Optional[asyncio.Task] = None
@@ -113,7 +117,7 @@ class Sandbox:
 
     @property
     def workspace(self) -> Path:
-        return self.manager.settings.home / "workspaces" / self.id
+        return self.ws.path
 
     @property
     def execution_state(self) -> str:
@@ -188,6 +192,11 @@ class Sandbox:
                            state_dir=s.home / "sandboxes" / self.id, env=r.env, limits=r.limits,
                            workspace_seed=self.manager.checkpoints.state_dir(r.head) if r.head else None)
 
+    async def fill_workspace(self, cp: Checkpoint) -> None:
+        """The checkpoint's files into this sandbox's (new, empty) workspace."""
+        await self.ws.create()
+        await self.manager.checkpoints.materialize_async(cp, self.workspace, self.ws.uid if os.geteuid() == 0 else None)
+
     async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
         """Start the runtime, cold or from a checkpoint image (``consume``: the
         image may be moved, see Driver.restore); the caller owns the state.
@@ -195,9 +204,10 @@ class Sandbox:
         s = self.manager.settings
         spec = self.new_spec()
         try:
+            await self.ws.create()  # nothing if it exists (restart, resume)
             runtime = await (self.driver.restore(spec, restore_from, consume) if restore_from
                              else self.driver.create(spec))
-        except SandboxError as e:
+        except (SandboxError, WorkspaceError) as e:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
         self.runtime = runtime
         self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
@@ -341,7 +351,7 @@ class Sandbox:
                 await self.to(State.RUNNING)
             raise
         try:
-            files, new = await asyncio.to_thread(store.snapshot, self.workspace)  # stopped: same instant as memory
+            files, new = await store.snapshot_async(self.workspace, cid=cid)  # stopped: same instant as memory
             cp = Checkpoint(id=cid, sandbox=self.id, parent=self.record.head, created=time.time(), name=name,
                             state_bytes=dir_size(image), files=files,
                             files_bytes=sum(f.size for f in files.values()), new_bytes=new)
@@ -349,6 +359,8 @@ class Sandbox:
         except BaseException as e:
             await self._carry_on(image, consume=True)  # the sandbox carries on regardless
             store.discard(cid)
+            if isinstance(e, SnapshotTooLarge):
+                raise LimitReached(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
         if resume:
@@ -499,7 +511,7 @@ class Sandbox:
     async def delete(self) -> None:
         async with self.lock:
             await self.teardown()
-            shutil.rmtree(self.workspace, ignore_errors=True)
+            await self.ws.delete()
             shutil.rmtree(self.manager.settings.home / "sandboxes" / self.id, ignore_errors=True)
             if self.record.paused_image:
                 shutil.rmtree(self.record.paused_image, ignore_errors=True)
@@ -511,6 +523,10 @@ class Sandbox:
         if self.link:
             await self.link.close()
             self.link = None
+        try:
+            await self.ws.detach()
+        except WorkspaceError as e:
+            log.warning("sandbox %s: workspace left mounted: %s", self.id, e)
 
     # -- kernel messages -----------------------------------------------------
     def send(self, channel: str, parts: List[bytes], header: dict) -> None:

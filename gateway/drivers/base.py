@@ -102,6 +102,9 @@ class Driver(abc.ABC):
     # Whether create() hands SandboxSpec.env to the agent itself (gVisor: the OCI
     # process env). If not, the core sends it in a `setup` request after boot.
     env_at_boot: bool = True
+    # Whether the workspace directory is shared into the sandbox as files (gVisor),
+    # so the core gives it a size-limited disk of its own; VMs keep a disk image in it.
+    shares_workspace: bool = True
 
     @classmethod
     @abc.abstractmethod
