@@ -49,6 +49,7 @@ class SandboxManager:
             max_files=settings.checkpoint_max_files))
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
+        self.stopping = False  # set by suspend_all: nothing wakes up any more
 
     def rootfs(self) -> Path:
         if self._rootfs is None:
@@ -202,6 +203,7 @@ class SandboxManager:
     async def suspend_all(self) -> None:
         """At exit: pause every running sandbox to disk (a few at a time, with
         progress in the log) so the next gateway resumes them; then let go."""
+        self.stopping = True
         await self.pool.close()
         running = [sb for sb in self.sandboxes.values() if sb.state not in (State.PAUSED, State.DEAD)]
         total, done = len(running), 0

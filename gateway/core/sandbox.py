@@ -140,6 +140,8 @@ class Sandbox:
                  f" ({self.record.reason})" if new == State.DEAD and self.record.reason else "")
         if new == State.RUNNING:
             self._send_held()
+        elif new in states.WAKES and self.held:
+            self._wake()  # messages that came while it was on its way to paused: they want it back
         elif new in (State.DEAD, State.DELETED):
             why = self.record.reason if new == State.DEAD else "the sandbox was deleted"
             self._fail_waiting(why or "no sandbox")
@@ -270,7 +272,7 @@ class Sandbox:
         self._watch = None  # teardown must not cancel this task: it is this task
         await self.teardown()
         if self.state not in (State.DEAD, State.DELETED):
-            self.to_now(State.DEAD, reason=why)
+            await self.to(State.DEAD, reason=why)
             self.fanout.broadcast("iopub", status_message("dead"))
 
     async def _stop_into(self, image_dir: Path) -> None:
@@ -456,8 +458,8 @@ class Sandbox:
     def _wake(self) -> None:
         """A message arrived while paused: resume. If that fails, the held
         messages get an error reply rather than waiting forever."""
-        if self._waking and not self._waking.done():
-            return
+        if (self._waking and not self._waking.done()) or self.manager.stopping:
+            return  # a gateway on its way out pauses sandboxes; it does not wake them
 
         async def wake():
             try:

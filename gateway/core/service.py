@@ -78,6 +78,10 @@ def sandbox_model(sb: Sandbox) -> dict:
                         reason=r.reason).model_dump(mode="json")
 
 
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
 OutputCallback = Callable[[dict], Awaitable[None]]
 
 
@@ -126,14 +130,14 @@ class SandboxService:
         for field, value in asked.items():
             ceiling = getattr(s, Settings.CEILINGS[field])
             if value > ceiling:
-                raise CeilingExceeded(f"limits.{field} {value:g} is above this gateway's ceiling of {ceiling:g} "
+                raise CeilingExceeded(f"limits.{field} {_num(value)} is above this gateway's ceiling of {_num(ceiling)} "
                                       f"({Settings.ENV[Settings.CEILINGS[field]]})")
         return s.limits.model_copy(update=asked)
 
     def ttl(self, ttl: Optional[float]) -> Optional[float]:
         ceiling = self.settings.max_ttl
         if ceiling and ttl and ttl > ceiling:
-            raise CeilingExceeded(f"ttl {ttl:g} s is above this gateway's ceiling of {ceiling:g} s (SANDGATE_MAX_TTL)")
+            raise CeilingExceeded(f"ttl {_num(ttl)} s is above this gateway's ceiling of {_num(ceiling)} s (SANDGATE_MAX_TTL)")
         return ttl or ceiling or None
 
     def kernel_env(self, requested: Dict[str, str]) -> Dict[str, str]:
