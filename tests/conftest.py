@@ -59,7 +59,9 @@ class Gateway:
         if own_home is None:
             self.home.mkdir()
             (self.home / "images").symlink_to(home / "images")
-        full_env = {**os.environ, "SANDGATE_HOME": str(self.home), "SANDGATE_TOKEN": token, **(env or {})}
+        # Kept sandboxes are paused to disk at every stop: only the restart tests want that.
+        full_env = {**os.environ, "SANDGATE_HOME": str(self.home), "SANDGATE_TOKEN": token,
+                    "SANDGATE_KEEP_SANDBOXES": "false", **(env or {})}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), *args],
                                      env=full_env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -75,7 +77,8 @@ class Gateway:
         raise RuntimeError(f"gateway did not come up: {self.log_text()}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def request(self, method, path, body=None, token=None, headers=None, raw=None, timeout=180) -> Response:

@@ -13,7 +13,7 @@ from typing import Dict, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
-from ..core.service import LimitsRequest, SandboxModel, StartRequest, sandbox_model
+from ..core.service import MAX_TTL, LimitsRequest, SandboxModel, StartRequest, sandbox_model
 from .base import APIHandler
 from .jupyter import UUID
 
@@ -24,7 +24,8 @@ class SandboxCreate(BaseModel):
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
     labels: Dict[str, str] = {}
     limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
-    ttl: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="seconds until the sandbox is deleted")
+    ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
+                                 description="seconds until the sandbox is deleted")
     checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger("sandgate.service")
 
 
 # -- request models (the edge validates; the core trusts) ---------------------
+MAX_TTL = 10 * 365 * 86400  # beyond any ceiling an operator sets; keeps expiry a real date
 class LimitsRequest(BaseModel):
     """Any subset; the rest are the gateway's defaults."""
 
@@ -43,7 +44,8 @@ class StartRequest(BaseModel):
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
     labels: Dict[str, str] = {}
     limits: Optional[LimitsRequest] = None
-    ttl: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="seconds until the sandbox is deleted")
+    ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
+                                 description="seconds until the sandbox is deleted")
     checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
     owner: str = ""
 

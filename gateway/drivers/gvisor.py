@@ -42,6 +42,10 @@ BASE_ENV = {
     "PYTHONPATH": "/opt/sandgate",
     "PYTHONDONTWRITEBYTECODE": "1",
     "MPLCONFIGDIR": "/tmp/matplotlib",
+    # IPython's history database lives with the kernel's memory (the tmpfs is in
+    # every checkpoint), not in the workspace: a sandbox restored from an older
+    # checkpoint over newer files would find its line numbers taken.
+    "IPYTHONDIR": "/tmp/ipython",
     "JUPYTER_RUNTIME_DIR": "/tmp/jupyter",
     "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # debugpy's import-time warning is noise here
 }
