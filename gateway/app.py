@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from tornado import web
+from tornado.log import access_log
 
 from .api import channels, jupyter, sandboxes
 from .config import Settings
@@ -35,6 +37,18 @@ def make_service(settings: Settings) -> SandboxService:
     return SandboxService(manager)
 
 
+SECRET_QUERY = re.compile(r"([?&](?:token|access_token|api_key)=)[^&]*", re.I)
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """tornado's access log line, with credentials in the query string redacted."""
+    status = handler.get_status()
+    method = access_log.info if status < 400 else access_log.warning if status < 500 else access_log.error
+    uri = SECRET_QUERY.sub(r"\1[redacted]", handler.request.uri or "")
+    method("%d %s %s (%s) %.2fms", status, handler.request.method, uri, handler.request.remote_ip,
+           1000.0 * handler.request.request_time())
+
+
 def make_app(settings: Settings, service: SandboxService) -> web.Application:
     routes = sandboxes.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
     return web.Application(
@@ -45,4 +59,5 @@ def make_app(settings: Settings, service: SandboxService) -> web.Application:
         notebook_sessions=jupyter.NotebookSessions(),
         websocket_max_message_size=settings.max_message_mb << 20,
         websocket_ping_interval=30,
+        log_function=log_request,
     )

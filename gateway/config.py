@@ -42,6 +42,10 @@ class Settings(BaseModel):
     checkpoint_max_bytes: int = Field(16 << 30, ge=0)  # a workspace snapshot's logical size
     checkpoint_max_new_bytes: int = Field(4 << 30, ge=0)  # what one snapshot may add to the blob store
     checkpoint_max_files: int = Field(100_000, ge=0)
+    execute_output_mb: int = Field(16, ge=1)  # what one POST /execute collects; the rest is cut, marked
+    client_buffer_mb: int = Field(32, ge=1)  # unsent output per websocket before it is dropped as too slow
+    iopub_msg_rate: float = Field(1000, ge=0, allow_inf_nan=False)  # per client, messages/s; 0 = no limit
+    iopub_data_rate: float = Field(10_000_000, ge=0, allow_inf_nan=False)  # per client, stream bytes/s
     keep_sandboxes: bool = True  # at exit, pause sandboxes to disk for the next start; false deletes them
     env_allow: List[str] = []  # env names passed to kernels besides KERNEL_*
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
@@ -63,6 +67,8 @@ class Settings(BaseModel):
         "checkpoint_max_bytes": "SANDGATE_CHECKPOINT_MAX_BYTES",
         "checkpoint_max_new_bytes": "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
         "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES",
+        "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
+        "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

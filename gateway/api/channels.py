@@ -10,22 +10,31 @@ connection with status 1009, as tornado does.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from typing import List
 
 from tornado import web, websocket
+from tornado.ioloop import IOLoop
 
 from ..core.errors import Conflict, NotFound
-from ..core.messages import status_message
+from ..core.fanout import IopubLimiter
+from ..core.messages import message, status_message
 from . import wire
 from .base import AuthMixin
 
 log = logging.getLogger("sandgate.channels")
+STALLED = 5.0  # seconds over its buffer bound without a byte reaching the socket: it stopped reading
 
 
 class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
     kernel = None
     v1 = False
+    replay = True  # this client takes what the kernel said while nobody listened
+    pending_bytes = 0  # written to tornado but not yet to the socket
+    drained = 0.0  # when some of it last reached the socket
+    _stall_check = None
 
     async def get(self, kernel_id):
         # Refuse before the upgrade, so clients see a real HTTP status.
@@ -59,6 +68,10 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         # Without it, Nagle and delayed ACKs add tens of ms to every small reply.
         self.set_nodelay(True)
         self.v1 = self.selected_subprotocol == wire.V1
+        s = self.settings["sandgate"]
+        self.limiter = IopubLimiter(s.iopub_msg_rate, s.iopub_data_rate)
+        self.max_pending = s.client_buffer_mb << 20
+        self.drained = time.monotonic()
         self.kernel.attach(self)
         if self.kernel.execution_state == "dead":
             self.deliver("iopub", status_message("dead"))
@@ -81,12 +94,54 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
     def deliver(self, channel: str, parts: List[bytes]) -> None:
         if self.ws_connection is None or self.ws_connection.is_closing():
             return
+        if channel == "iopub":
+            verdict = self.limiter.drop(parts, time.monotonic())
+            if verdict == "drop":
+                return
+            if verdict:  # the one notice, in place of the message, as jupyter_server does
+                log.warning("kernel %s: %s", self.kernel.id, verdict.strip())
+                parts = message("stream", {"name": "stderr", "text": verdict}, _parent(parts))
         data = wire.encode_v1(channel, parts) if self.v1 else wire.encode_legacy(channel, parts)
+        if self.pending_bytes + len(data) > self.max_pending:
+            if self.pending_bytes > 4 * self.max_pending or time.monotonic() - self.drained > STALLED:
+                self._drop()
+                return
+            if self._stall_check is None:  # over the bound: gone for good unless it drains soon
+                self._stall_check = IOLoop.current().call_later(STALLED, self._check_stalled)
         try:
-            self.write_message(data, binary=isinstance(data, bytes))
+            sent = self.write_message(data, binary=isinstance(data, bytes))
         except websocket.WebSocketClosedError:
-            pass
+            return
+        self.pending_bytes += len(data)
+        sent.add_done_callback(lambda _f, n=len(data): self._written(n))
+
+    def _written(self, n: int) -> None:
+        self.pending_bytes -= n
+        self.drained = time.monotonic()
+
+    def _check_stalled(self) -> None:
+        self._stall_check = None
+        if self.pending_bytes > self.max_pending and time.monotonic() - self.drained >= STALLED:
+            self._drop()
+
+    def _drop(self) -> None:
+        """It stopped reading (nothing drained for a while), or fell hopelessly
+        behind: its messages would pile up in this process. Dropped, with a
+        close it can see; other clients are not affected."""
+        if self.ws_connection is None or self.ws_connection.is_closing():
+            return
+        log.warning("kernel %s: closing a websocket that stopped reading (%d MiB unsent)", self.kernel.id,
+                    self.pending_bytes >> 20)
+        self.kernel.detach(self)
+        self.close(1008, "client too slow: output not read")
 
     def on_close(self):
         if self.kernel:
             self.kernel.detach(self)
+
+
+def _parent(parts: List[bytes]) -> dict:
+    try:
+        return json.loads(parts[1])
+    except (ValueError, IndexError):
+        return {}

@@ -72,6 +72,7 @@ class ExecuteResult(BaseModel):
     stdout: str
     stderr: str
     error: Optional[Output]
+    truncated: bool = False  # the cell wrote more than SANDGATE_EXECUTE_OUTPUT_MB: the rest was dropped
 
 
 class SandboxesHandler(APIHandler):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
-from typing import List, Protocol
+from typing import List, Optional, Protocol
 
 log = logging.getLogger("sandgate.fanout")
 
@@ -90,3 +90,57 @@ class FanOut:
 
     def route(self, channel: str, parts: List[bytes]) -> None:
         (self.broadcast if channel == "iopub" else self.reply)(channel, parts)
+
+
+class IopubLimiter:
+    """jupyter_server's iopub rate limit, per client: over a sliding window,
+    past ``msg_rate`` messages/s or ``data_rate`` stream bytes/s, iopub
+    messages other than status are dropped (the client is told once, on
+    stderr) until the rate falls below 80% of the limit again."""
+
+    def __init__(self, msg_rate: float, data_rate: float, window: float = 3.0):
+        self.msg_rate, self.data_rate, self.window = msg_rate, data_rate, window
+        self.queue: collections.deque = collections.deque()  # (expiry, bytes)
+        self.msgs = self.bytes = 0
+        self.msgs_exceeded = self.data_exceeded = False
+        self.dropped = 0
+
+    def drop(self, parts: List[bytes], now: float) -> Optional[str]:
+        """None to deliver; "drop" to drop; a notice (str) to deliver instead, once."""
+        if b'"status"' in parts[0]:
+            try:
+                if json.loads(parts[0]).get("msg_type") == "status":
+                    return None  # never dropped: clients wait for idle
+            except (ValueError, AttributeError):
+                pass
+        while self.queue and now >= self.queue[0][0]:
+            _, n = self.queue.popleft()
+            self.msgs -= 1
+            self.bytes -= n
+        size = sum(len(p) for p in parts) if b'"stream"' in parts[0] else 0
+        self.msgs += 1
+        self.bytes += size
+        self.queue.append((now + self.window, size))
+        was = self.msgs_exceeded or self.data_exceeded
+        msg_rate, data_rate = self.msgs / self.window, self.bytes / self.window
+        if self.msg_rate and msg_rate > self.msg_rate:
+            self.msgs_exceeded = True
+        elif self.msgs_exceeded and msg_rate < 0.8 * self.msg_rate:
+            self.msgs_exceeded = False
+        if self.data_rate and data_rate > self.data_rate:
+            self.data_exceeded = True
+        elif self.data_exceeded and data_rate < 0.8 * self.data_rate:
+            self.data_exceeded = False
+        now_exceeded = self.msgs_exceeded or self.data_exceeded
+        if now_exceeded and not was:
+            self.dropped = 1
+            what = (f"message rate exceeded ({self.msg_rate:g} messages/s)" if self.msgs_exceeded
+                    else f"data rate exceeded ({self.data_rate:g} bytes/s of output)")
+            return (f"IOPub {what}: the gateway drops this client's output until the rate falls "
+                    f"(SANDGATE_IOPUB_MSG_RATE, SANDGATE_IOPUB_DATA_RATE)\n")
+        if now_exceeded:
+            self.dropped += 1
+            return "drop"
+        if was:
+            log.warning("iopub output resumed after %d messages were dropped for one client", self.dropped)
+        return None

@@ -40,6 +40,7 @@ class WarmPool:
         self._lock = asyncio.Lock()
         self.ready: Dict[str, List[Sandbox]] = {}
         self._refilling: set = set()
+        self._tasks: set = set()  # refills in flight, cancelled by close()
         self.failures = 0  # refills that failed, for operators
 
     def _key(self, driver: str) -> str:
@@ -111,7 +112,9 @@ class WarmPool:
         if not self.enabled(driver) or driver in self._refilling:
             return
         self._refilling.add(driver)
-        asyncio.ensure_future(self._refill(driver))
+        task = asyncio.ensure_future(self._refill(driver))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _refill(self, driver: str) -> None:
         try:
@@ -119,8 +122,12 @@ class WarmPool:
             cp = await self.template(driver)
             while cp and len(pool) < self.settings.pool_size:
                 sb = self._scratch("pool", driver)
-                await sb.fill_workspace(cp)
-                await sb.boot(restore_from=self.manager.checkpoints.state_dir(cp.id))
+                try:
+                    await sb.fill_workspace(cp)
+                    await sb.boot(restore_from=self.manager.checkpoints.state_dir(cp.id))
+                except BaseException:  # failed, or the gateway is closing: nothing left behind
+                    await asyncio.shield(self._discard(sb))
+                    raise
                 await sb.to(State.RUNNING)
                 pool.append(sb)
         except Exception as e:
@@ -134,6 +141,9 @@ class WarmPool:
         await sb.ws.delete()
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for pool in self.ready.values():
             for sb in pool:
                 await self._discard(sb)

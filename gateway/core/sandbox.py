@@ -636,6 +636,7 @@ class Sandbox:
         collector = Collector(session)
         self.fanout.attach(collector)
         outputs, reply, idle, status = [], None, False, "ok"
+        kept, cap, truncated = 0, self.manager.settings.execute_output_mb << 20, False
         try:
             self.send("shell", parts, header)
             deadline = time.monotonic() + timeout
@@ -666,10 +667,20 @@ class Sandbox:
                     idle = c.get("execution_state") == "idle"
                 else:
                     out = output_of(h["msg_type"], c)
-                    if out:
-                        outputs.append(out)
-                        if on_output:
-                            await on_output(out)
+                    if not out:
+                        continue
+                    kept += len(got[3])
+                    if kept > cap:  # the cell runs on; what it says past the cap is not kept
+                        if not truncated:
+                            truncated = True
+                            out = {"type": "stream", "name": "stderr",
+                                   "text": f"\n[sandgate: output truncated: this cell wrote more than "
+                                           f"{cap >> 20} MiB (SANDGATE_EXECUTE_OUTPUT_MB)]\n"}
+                        elif out["type"] != "error":
+                            continue
+                    outputs.append(out)
+                    if on_output:
+                        await on_output(out)
         finally:
             self.fanout.detach(collector)
         if reply and status == "ok":
@@ -680,7 +691,7 @@ class Sandbox:
         return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
                 "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
                 "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
-                "error": error}
+                "error": error, "truncated": truncated}
 
 
 class _Stopped(Exception):
