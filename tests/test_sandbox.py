@@ -48,8 +48,8 @@ print(json.dumps({{
     assert info["marker"] is False and info["project"] is False
     assert info["image_cache"] is False
     assert info["uid"] != 0
-    assert set(info["mounts"]) <= {"/", "/proc", "/dev", "/dev/pts", "/dev/shm", "/tmp", "/workspace",
-                                   "/opt/sandgate", "/sys"}
+    assert set(info["mounts"]) <= {"/", "/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/net", "/tmp", "/workspace",
+                                   "/opt/sandgate", "/sys"}  # /dev/net: an empty tmpfs hiding tun
 
 
 def test_root_is_read_only_workspace_is_not(gateway, kernel):

@@ -55,6 +55,16 @@ def runsc_path() -> Optional[str]:
     return os.environ.get("SANDGATE_RUNSC") or shutil.which("runsc")
 
 
+def runsc_error(out: str) -> str:
+    """The line that says why, not the tail of a Go stack trace."""
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    for marker in ("panic:", "fatal error:", "error:", "Error:"):
+        hit = next((line for line in lines if marker in line), None)
+        if hit:
+            return hit[:500]
+    return (lines[-1] if lines else "no output")[:500]
+
+
 def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
     env = {**BASE_ENV, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, **spec.env}
     lim = spec.limits
@@ -81,6 +91,9 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
+            # gVisor adds /dev/net/tun and /dev/fuse; an open tun fd makes this runsc
+            # panic at the next checkpoint (issue 11 finding 9). Nothing here needs them.
+            {"destination": "/dev/net", "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "mode=755"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": tmpfs},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": tmpfs},
             {"destination": "/workspace", "type": "bind", "source": str(spec.workspace), "options": ["rbind", "rw"]},
@@ -228,7 +241,7 @@ class GVisorDriver(Driver):
                                f"{image_dir.parent}, up to {need >> 20} MB needed")
         code, out = await self.runsc("checkpoint", "--image-path", str(image_dir), sandbox.id)
         if code != 0:
-            raise SandboxError(f"runsc checkpoint failed: {out.strip()[-500:]}")
+            raise SandboxError(f"runsc checkpoint failed: {runsc_error(out)}")
         try:
             await asyncio.wait_for(sandbox.wait(), 30)
         except asyncio.TimeoutError:
