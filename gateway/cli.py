@@ -180,11 +180,15 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.restart:
+        from sandgate_bench.restart import run as run_restart
+
+        return run_restart(args)
     if args.drivers:
-        from .bench_drivers import run as run_drivers
+        from sandgate_bench.drivers import run as run_drivers
 
         return run_drivers(args)
-    from .bench import run
+    from sandgate_bench.kernels import run
 
     return run(args)
 
@@ -230,6 +234,9 @@ def main(argv=None) -> int:
     b.add_argument("--output", default="bench.json")
     b.add_argument("--drivers", help="compare sandbox drivers instead, e.g. gvisor,qemu (boot, memory, "
                                      "checkpoint, restore, pause, resume)")
+    b.add_argument("--restart", type=int, metavar="N",
+                   help="a gateway restart with N sandboxes instead: SIGTERM to exit, start to each one's first "
+                        "result, the 1+1 round trip before and after")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
 

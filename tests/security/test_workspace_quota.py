@@ -130,3 +130,27 @@ def test_filling_the_workspace_stops_at_its_quota_and_spares_the_host(home, tmp_
     # Gone without a trace: no mount, no loop device, no file.
     wait_for(lambda: loops_under(root) == [], timeout=30)
     assert os.listdir(root) == []
+
+
+def test_through_the_api_a_full_workspace_fails_inside_only(gateway):
+    """The core gives every gVisor sandbox its own disk of limits.disk_mb."""
+    r = gateway.request("POST", "/api/sandboxes", {"limits": {"disk_mb": 64}})
+    assert r.status == 201, r.body
+    sid = r.json()["id"]
+    try:
+        host_free = os.statvfs(gateway.home).f_bavail * os.statvfs(gateway.home).f_frsize
+        out = gateway.request("POST", f"/api/sandboxes/{sid}/execute", {"timeout": 300, "code": (
+            "import os\nst = os.statvfs('/workspace')\nprint(st.f_blocks * st.f_frsize >> 20)\n"
+            "try:\n    with open('fill', 'wb') as f:\n        for _ in range(512): f.write(b'x' * (1 << 20))\n"
+            "except OSError as e:\n    print('full', e.errno)")}).json()
+        size, full = out["stdout"].split("\n")[:2]
+        assert int(size) <= 64 and full == "full 28", out  # ENOSPC at the sandbox's own quota
+        after = os.statvfs(gateway.home).f_bavail * os.statvfs(gateway.home).f_frsize
+        assert host_free - after < 96 << 20  # the host gave at most the quota
+        r = gateway.request("PUT", f"/api/sandboxes/{sid}/files/more.bin", raw=b"y" * (4 << 20))
+        assert r.status == 403 and "full" in r.json()["message"], r.body  # the files API says so too
+        assert gateway.request("POST", f"/api/sandboxes/{sid}/execute",
+                               {"code": "import os\nos.remove('fill')\nprint('ok')"}).json()["stdout"] == "ok\n"
+        assert gateway.request("PUT", f"/api/sandboxes/{sid}/files/more.bin", raw=b"y" * (4 << 20)).status == 201
+    finally:
+        gateway.request("DELETE", f"/api/sandboxes/{sid}")

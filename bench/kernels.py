@@ -54,7 +54,7 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import __version__
+from sandgate import __version__
 
 START_REPS = 3
 WARMUP = 5
@@ -752,7 +752,7 @@ def checkpoint_table(cs: dict, g: dict) -> str:
 def preflight(home: Path) -> None:
     from sandgate_images import rootfs as images
 
-    from .drivers.gvisor import runsc_path
+    from sandgate.drivers.gvisor import runsc_path
 
     need_psutil()
     missing = [m for m in ("websocket", "jupyter_client", "ipykernel", "kernel_gateway")
@@ -773,13 +773,13 @@ def _importable(module: str) -> bool:
 
 
 def _default_home() -> Path:
-    from .config import default_home
+    from sandgate.config import default_home
 
     return default_home()
 
 
 def runsc_version() -> str:
-    from .drivers.gvisor import runsc_path
+    from sandgate.drivers.gvisor import runsc_path
 
     try:
         out = subprocess.run([runsc_path() or "runsc", "--version"], capture_output=True, text=True, timeout=20)

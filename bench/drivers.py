@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .bench import IDLE_WAIT, BenchError, SandgateTarget, _default_home, cell_result, mib, progress, runtime_memory
+from .kernels import IDLE_WAIT, BenchError, SandgateTarget, _default_home, cell_result, mib, progress, runtime_memory
 
 REPS = 3
 METRICS = [  # key, label, format
@@ -119,7 +119,7 @@ def table(drivers: List[str], summary: Dict[str, Dict[str, float]]) -> str:
 
 
 def run(args) -> int:
-    from .drivers import DRIVERS
+    from sandgate.drivers import DRIVERS
 
     drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
     unknown = [d for d in drivers if d not in DRIVERS]
