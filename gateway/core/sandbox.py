@@ -316,6 +316,19 @@ class Sandbox:
             pass
         await self.teardown()
 
+    async def _stop(self, image_dir: Path) -> None:
+        """``_stop_into`` from checkpointing or pausing; a failure leaves the
+        sandbox running again, or dead (with why) if its runtime had stopped."""
+        try:
+            await self._stop_into(image_dir)
+        except _Stopped as e:
+            await self.to(State.DEAD, reason=str(e))
+            raise Unavailable(str(e)) from None
+        except BaseException:
+            if self.state in (State.CHECKPOINTING, State.PAUSING):
+                await self.to(State.RUNNING)
+            raise
+
     # -- lifecycle operations ------------------------------------------------
     async def _run_again(self) -> None:
         """Called with the lock held: make sure it is running (resume a paused
@@ -342,22 +355,16 @@ class Sandbox:
         image = store.state_dir(cid)
         t0 = time.monotonic()
         try:
-            await self._stop_into(image)
-        except _Stopped as e:
-            store.discard(cid)
-            await self.to(State.DEAD, reason=str(e))
-            raise Unavailable(str(e)) from None
+            await self._stop(image)
         except BaseException:
             store.discard(cid)
-            if self.state == State.CHECKPOINTING:
-                await self.to(State.RUNNING)
             raise
         try:
             files, new = await store.snapshot_async(self.workspace, cid=cid)  # stopped: same instant as memory
             cp = Checkpoint(id=cid, sandbox=self.id, parent=self.record.head, created=time.time(), name=name,
                             state_bytes=dir_size(image), files=files,
                             files_bytes=sum(f.size for f in files.values()), new_bytes=new)
-            store.commit(cp)  # from here on it is listed, and whole
+            await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
             await self._carry_on(image, consume=True)  # the sandbox carries on regardless
             store.discard(cid)
@@ -406,15 +413,7 @@ class Sandbox:
             return
         image = self.manager.settings.home / "paused" / self.id
         shutil.rmtree(image, ignore_errors=True)
-        try:
-            await self._stop_into(image)
-        except _Stopped as e:
-            await self.to(State.DEAD, reason=str(e))
-            raise Unavailable(str(e)) from None
-        except BaseException:
-            if self.state == State.PAUSING:
-                await self.to(State.RUNNING)
-            raise
+        await self._stop(image)
         await self.to(State.PAUSED, pause_mode="disk", paused_image=str(image))
         log.info("sandbox %s paused (state on disk, %d B)", self.id, dir_size(image))
 
