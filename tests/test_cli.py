@@ -72,7 +72,7 @@ def test_idle_kernels_are_culled(home, tmp_path):
         time.sleep(3)
         assert gw.request("GET", f"/api/kernels/{busy}").status == 200
         assert c.execute("1")["results"]
-        assert "culling kernel" in gw.log_text()
+        assert "culling sandbox" in gw.log_text()
         c.close()
     finally:
         gw.stop()

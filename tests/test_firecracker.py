@@ -634,7 +634,7 @@ def test_fake_gateway_reports_a_firecracker_error_clearly(fakegw):
     t0 = time.monotonic()
     r = gw.request("POST", "/api/sandboxes", {"driver": "firecracker"}, timeout=60)
     assert time.monotonic() - t0 < 30
-    assert r.status == 500, r.body
+    assert r.status == 503, r.body
     msg = r.json()["message"]
     assert "Firecracker refused PUT /machine-config (400): injected failure" in msg
     assert "Traceback" not in r.body.decode()
@@ -662,7 +662,7 @@ def test_fake_gateway_checkpoint_reaches_the_fakes_refusal(fakegw):
     gw, log = fakegw()
     sid = gw.request("POST", "/api/sandboxes", {"driver": "firecracker"}).json()["id"]
     r = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "c"}, timeout=60)
-    assert r.status == 500, r.body
+    assert r.status == 503, r.body
     assert "cannot restore a running process" in r.json()["message"]
     assert calls(log)[7:] == ["PATCH /vm", "PUT /snapshot/create", "PUT /snapshot/load"]
     assert requests(log)[-1]["pid"] != requests(log)[0]["pid"]  # the restore ran in a new Firecracker

@@ -358,3 +358,21 @@ async def test_the_store_holds_every_state_it_passes(tmp_path):
     assert not await store.compare_and_set(rec.model_copy(update={"state": State.RESUMING}), State.RUNNING)
     await svc.delete(sb.id)
     assert await store.get(sb.id) is None
+
+
+@run
+async def test_the_culler_leaves_a_sandbox_that_is_still_starting(tmp_path):
+    from sandgate.core.culler import Culler
+
+    svc = make(tmp_path, cull_idle_timeout=0.001)
+    drv = driver_of(svc)
+    drv.gates["create"] = asyncio.Event()
+    starting = asyncio.ensure_future(start(svc))
+    await drv.entered["create"].wait()
+    (sid,) = svc.manager.sandboxes
+    svc.get(sid).last_activity -= datetime.timedelta(seconds=10)
+    await Culler(svc.manager).run_once()
+    assert sid in svc.manager.sandboxes  # mid-start: not idle, whatever its clock says
+    drv.gates["create"].set()
+    sb = await starting
+    assert sb.state == State.RUNNING and (datetime.datetime.now(datetime.timezone.utc) - sb.last_activity).total_seconds() < 5

@@ -59,6 +59,8 @@ class Culler:
         self.passes += 1
         now = utcnow()
         for sb in list(self.manager.sandboxes.values()):
+            if sb.lock.locked():
+                continue  # starting, checkpointing, pausing...: its clock starts again after
             kind = "ttl"
             try:
                 if sb.record.expires and time.time() > sb.record.expires:

@@ -139,6 +139,7 @@ class Sandbox:
         log.info("sandbox %s: %s -> %s%s", self.id, old, new,
                  f" ({self.record.reason})" if new == State.DEAD and self.record.reason else "")
         if new == State.RUNNING:
+            self.last_activity = utcnow()  # idle time counts from here, not from before a long start
             self._send_held()
         elif new in states.WAKES and self.held:
             self._wake()  # messages that came while it was on its way to paused: they want it back
