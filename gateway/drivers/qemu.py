@@ -15,6 +15,13 @@ checkpoint restores any number of times (fork) and stays unchanged.
 
 Acceleration: KVM when a trial boot under it reaches the guest's userspace
 within a deadline, else TCG (see ``accel``); SANDGATE_QEMU_ACCEL forces one.
+
+Confinement (a guest that owns its kernel may find a bug in qemu's devices):
+qemu runs under its seccomp filter (``-sandbox``: no fork/exec, no obsolete
+or resource-control calls), as a uid of its own that no account has
+(``-runas uid:gid`` once its files are open), in a cgroup of its own with the
+sandbox's limits. It never opens a file by name after that: the migration
+stream comes and goes as file descriptors the gateway opened.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import errno
+import grp
 import os
-import shlex
+import pwd
 import shutil
 import signal
 import socket
@@ -32,9 +41,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .base import Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
 from .console import ConsoleLog
 
 log = logging.getLogger("sandgate.qemu")
@@ -43,6 +52,25 @@ AGENT_VSOCK_PORT = 1024
 PROBE_TIMEOUT = 10.0  # a KVM guest reaches userspace in well under a second
 BOOT_TIMEOUT = 120.0  # until a vsock agent listens: guest boot plus Python (the serial socket is qemu's own)
 QMP_TIMEOUT = 30.0
+QMP_OPEN_TIMEOUT = 60.0  # qemu's start on a loaded host under TCG; a qemu that exits ends the wait at once
+EXIT_GRACE = 5.0  # how long a qemu that reported a fatal error gets to exit and say why on stderr
+
+# qemu's seccomp filter. elevateprivileges stays allowed because qemu 7.2's -runas
+# calls setgid/setuid after the filter is loaded (with "deny" it dies of SIGSYS at
+# start); after that drop it has no capabilities and all its ids are equal, so a
+# set*id call can change nothing.
+SECCOMP = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"
+# Each VM runs as its own uid (= gid) from this range, which no account has: in
+# systemd's unused 0x70000000-0x7FFDFFFF band, above its container ranges.
+UID_BASE, UID_SPAN = 1_900_000_000, 1 << 16
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_PARENT = "sandgate-qemu"
+# A VM's cgroup holds its guest's RAM plus qemu itself: device emulation, and under
+# TCG the translated code, bounded by tb-size. What the host charges for the VM
+# beyond its guest memory, in MiB (measured: docs/security.md, "qemu confinement").
+TCG_TB_MB = 256
+OVERHEAD_MB = {"kvm": 256, "tcg": 256 + TCG_TB_MB}
+VM_PIDS = 256  # qemu's own threads (vCPUs, I/O workers); the guest's processes live in its kernel
 
 
 def qemu_path() -> Optional[str]:
@@ -129,6 +157,97 @@ def accel(home: Path, image: Path) -> Tuple[str, str]:
     return answer["accel"], why
 
 
+def vm_shape(limits: Limits) -> Tuple[int, int]:
+    """The memory (MiB) and vCPUs a VM gets for these limits. A migration
+    restores only into a machine of the same shape."""
+    return limits.memory_mb, max(1, int(limits.cpus))
+
+
+def _unused_id(uid: int) -> bool:
+    """Neither a user's nor a group's (through NSS, as ls and ps would see it)."""
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+            return False
+        except KeyError:
+            pass
+    return True
+
+
+class VMCgroup:
+    """The cgroup of one VM, with its limits: memory (guest RAM plus qemu's
+    overhead), CPU time (the sandbox's ``cpus``) and qemu's threads. On
+    cgroup v2 one directory /sys/fs/cgroup/sandgate-qemu/<name>, on v1 one
+    per controller (memory, cpu, pids)."""
+
+    def __init__(self, name: str):
+        self.v2 = (CGROUP_ROOT / "cgroup.controllers").exists()
+        controllers = [""] if self.v2 else ["memory", "cpu", "pids"]
+        self.dirs = [CGROUP_ROOT / c / CGROUP_PARENT / name for c in controllers]
+        self.memory_dir = self.dirs[0]
+
+    def create(self, memory_mb: int, cpus: float, pids: int) -> List[Path]:
+        """Make the cgroup; returns the cgroup.procs files a process joins it by."""
+        period = 100_000
+        quota = max(1000, int(cpus * period))
+        try:
+            if self.v2:
+                parent = CGROUP_ROOT / CGROUP_PARENT
+                parent.mkdir(exist_ok=True)
+                for d in (CGROUP_ROOT, parent):  # the controllers, delegated down to the VMs' cgroups
+                    (d / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+                d = self.dirs[0]
+                d.mkdir(exist_ok=True)  # sandbox ids are unique: one left over is empty
+                (d / "memory.max").write_text(str(memory_mb << 20))
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                (d / "cpu.max").write_text(f"{quota} {period}")
+                (d / "pids.max").write_text(str(pids))
+            else:
+                for d in self.dirs:
+                    d.mkdir(parents=True, exist_ok=True)
+                mem, cpu, pid = self.dirs
+                (mem / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
+                if (mem / "memory.memsw.limit_in_bytes").exists():  # no swapping past the limit either
+                    (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mb << 20))
+                (cpu / "cpu.cfs_period_us").write_text(str(period))
+                (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+                (pid / "pids.max").write_text(str(pids))
+        except OSError as e:
+            self.remove()
+            raise SandboxError(f"cannot make the VM's cgroup {self.dirs[0]}: {e.strerror or e}") from None
+        return [d / "cgroup.procs" for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        f = self.memory_dir / ("memory.events" if self.v2 else "memory.oom_control")
+        try:
+            fields = dict(line.split() for line in f.read_text().splitlines() if len(line.split()) == 2)
+            return int(fields.get("oom_kill", 0))
+        except (OSError, ValueError):
+            return 0
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            _rmdir_cgroup(d)
+
+
+def _rmdir_cgroup(d: Path, wait: float = 0.0) -> None:
+    """Remove an empty cgroup; a process that is still exiting keeps it busy
+    for a moment, which ``wait`` seconds allow for."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > end:
+                log.warning("cannot remove cgroup %s: %s", d, e.strerror)
+                return
+            time.sleep(0.05)
+
+
 class QMP:
     """A minimal QMP client: one command at a time, events are skipped."""
 
@@ -136,19 +255,28 @@ class QMP:
         self.path = path
         self.reader: Optional[asyncio.StreamReader] = None
         self.writer: Optional[asyncio.StreamWriter] = None
+        self.lock = asyncio.Lock()
 
-    async def connect(self, deadline: float = 10.0) -> None:
+    async def connect(self, alive: Callable[[], bool], deadline: float = QMP_OPEN_TIMEOUT) -> None:
+        """Connect once qemu listens; gives up at once when qemu has exited."""
         end = time.monotonic() + deadline
         while True:
             try:
                 self.reader, self.writer = await asyncio.open_unix_connection(str(self.path), limit=1 << 20)
                 break
             except OSError:
+                if not alive():
+                    raise SandboxError("qemu exited before its QMP socket opened") from None
                 if time.monotonic() > end:
-                    raise SandboxError("qemu's QMP socket did not open") from None
+                    raise SandboxError(f"qemu's QMP socket did not open within {deadline:g} s") from None
                 await asyncio.sleep(0.05)
-        await self._read()  # the greeting
+        async with self.lock:
+            await self._read()  # the greeting
         await self.execute("qmp_capabilities")
+
+    @property
+    def closed(self) -> bool:
+        return self.writer is None or self.writer.is_closing() or (self.reader is not None and self.reader.at_eof())
 
     async def _read(self) -> Dict[str, Any]:
         assert self.reader
@@ -159,20 +287,31 @@ class QMP:
                 # A late answer would be taken for the next command's: this connection is done.
                 self.close()
                 raise SandboxError(f"qemu did not answer on QMP within {QMP_TIMEOUT:g} s") from None
+            except (ConnectionError, OSError):
+                raise SandboxError("qemu closed its QMP socket") from None
             if not line:
                 raise SandboxError("qemu closed its QMP socket")
             msg = json.loads(line)
             if "event" not in msg:
                 return msg
 
-    async def execute(self, command: str, **arguments: Any) -> Any:
-        assert self.writer
-        try:
-            self.writer.write(json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n")
-            await self.writer.drain()
-            msg = await self._read()
-        except (ConnectionError, OSError):
-            raise SandboxError("qemu closed its QMP socket") from None
+    async def execute(self, command: str, fd: Optional[int] = None, **arguments: Any) -> Any:
+        """Run one command; ``fd`` goes along with it as SCM_RIGHTS (``getfd``)."""
+        if self.writer is None:
+            raise SandboxError("qemu's QMP socket is not connected")
+        data = json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n"
+        async with self.lock:
+            try:
+                if fd is None:
+                    self.writer.write(data)
+                    await self.writer.drain()
+                else:  # nothing else is queued on the socket: one command at a time, drained
+                    sock = self.writer.get_extra_info("socket")
+                    with socket.socket(fileno=os.dup(sock.fileno())) as s:
+                        socket.send_fds(s, [data], [fd])
+                msg = await self._read()
+            except (ConnectionError, OSError):
+                raise SandboxError("qemu closed its QMP socket") from None
         if "error" in msg:
             raise SandboxError(f"qemu {command}: {msg['error'].get('desc', msg['error'])}")
         return msg.get("return")
@@ -191,7 +330,10 @@ class QemuSandbox(ProcessSandbox):
         self.sockets = socket_dir(driver.home, spec.state_dir)
         self.qmp = QMP(self.sockets / "qmp.sock")
         self.config: Dict[str, Any] = {}  # what a restore must reproduce exactly
+        self.uid: Optional[int] = None  # what qemu runs as once its files are open (a root gateway)
+        self.cgroup: Optional[VMCgroup] = None
         self._stderr: List[str] = []
+        self._stderr_task: Optional[asyncio.Future] = None
 
     @property
     def ws_overlay(self) -> Path:  # the workspace directory is renamed when a pooled VM is taken
@@ -210,9 +352,9 @@ class QemuSandbox(ProcessSandbox):
         else:
             agent = await loop.run_in_executor(None, vm.agent_disk, self.driver.home)
             mode, why = await self.driver.accel(image)
-            lim = self.spec.limits
-            self.config = {"image": str(image), "agent": str(agent), "accel": mode, "memory_mb": lim.memory_mb,
-                           "cpus": max(1, int(lim.cpus)), "vsock": vhost_vsock()}
+            memory_mb, cpus = vm_shape(self.spec.limits)
+            self.config = {"image": str(image), "agent": str(agent), "accel": mode, "memory_mb": memory_mb,
+                           "cpus": cpus, "vsock": vhost_vsock()}
             await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image / "root.ext4"),
                                   "-F", "raw", str(self.overlay))
             if not self.ws_overlay.exists():  # a restart keeps the workspace
@@ -220,23 +362,54 @@ class QemuSandbox(ProcessSandbox):
                 base, fmt = (seed, "qcow2") if seed and seed.is_file() else (image / "workspace.ext4", "raw")
                 await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", fmt,
                                       str(self.ws_overlay))
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(restore_from), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
-        self.console.follow(self.proc.stdout)
-        asyncio.ensure_future(self._drain_stderr())
+        for disk in (self.overlay, self.ws_overlay):  # root's alone: qemu opens them before it drops to its uid
+            os.chmod(disk, 0o600)
+        await self._spawn(restore_from)
         try:
-            await self.qmp.connect()
-        except SandboxError:
-            await self.console.drained()
-            raise SandboxError(f"qemu did not start: {self.failure()}") from None
-        if restore_from:
-            await self._finish_incoming()
-            if self.config["vsock"]:
-                await self.qmp.execute("cont")  # a stopped guest cannot accept a vsock connection
+            await self.qmp.connect(alive=lambda: self.proc.returncode is None)
+            if restore_from:
+                await self._finish_incoming()
+        except SandboxError as e:
+            # Whichever comes first, qemu's exit or its answer on QMP, the reason is the
+            # same: what qemu said on its way out (stderr, the console), once it is gone.
+            why = await self._exit_reason(str(e))
+            raise SandboxError(("restoring the VM's state failed: " if restore_from else "qemu did not start: ")
+                               + why) from None
+        if restore_from and self.config["vsock"]:
+            await self._qmp("cont")  # a stopped guest cannot accept a vsock connection
         await self._connect_agent(30 if restore_from else BOOT_TIMEOUT)
         if restore_from and not self.config["vsock"]:
-            await self.qmp.execute("cont")  # once the port's host end is connected, so nothing is lost
+            await self._qmp("cont")  # once the port's host end is connected, so nothing is lost
+
+    async def _spawn(self, restore_from: Optional[Path]) -> None:
+        """Start qemu, already in its cgroup (a shell joins it, then executes
+        qemu), reading the state to restore from a descriptor it inherits."""
+        argv = self.argv(restore_from)
+        lim = self.spec.limits
+        if os.geteuid() == 0:
+            self.uid = self.driver.take_uid(self.spec.id)
+            argv[1:1] = ["-runas", f"{self.uid}:{self.uid}"]
+            self.cgroup = VMCgroup(f"{_tag(self.driver.home)}-{self.spec.id}")
+            memory_mb = self.config["memory_mb"] + OVERHEAD_MB.get(self.config["accel"], OVERHEAD_MB["tcg"])
+            procs = await asyncio.get_running_loop().run_in_executor(
+                None, self.cgroup.create, memory_mb, lim.cpus, VM_PIDS)
+        else:  # qemu runs as the gateway's own unprivileged user, in its cgroup
+            procs = []
+        join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ >"$1" || exit 125; n=$((n-1)); shift; done; exec "$@"'
+        fd = None
+        if restore_from:
+            fd = os.open(restore_from / "state.mig", os.O_RDONLY | os.O_CLOEXEC)
+            argv += ["-incoming", f"fd:{fd}"]
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                "/bin/sh", "-c", join, "sh", str(len(procs)), *map(str, procs), *argv,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True, pass_fds=(fd,) if fd is not None else ())
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self.console.follow(self.proc.stdout)
+        self._stderr_task = asyncio.ensure_future(self._drain_stderr())
 
     def argv(self, restore_from: Optional[Path]) -> List[str]:
         c, d = self.config, self.sockets
@@ -249,24 +422,28 @@ class QemuSandbox(ProcessSandbox):
             agent_dev = ["-device", "virtio-serial-device",
                          "-chardev", f"socket,id=agentc,path={d / 'agent.sock'},server=on,wait=off",
                          "-device", "virtserialport,chardev=agentc,name=sandgate"]
-        if c["accel"] == "tcg" and host_tsc_khz():
-            append += f" tsc_early_khz={host_tsc_khz()}"
+        accel = c["accel"]
+        if c["accel"] == "tcg":
+            accel += f",tb-size={TCG_TB_MB}"  # translated code is qemu's memory too: bounded
+            if host_tsc_khz():
+                append += f" tsc_early_khz={host_tsc_khz()}"
         append += " " + os.environ.get("SANDGATE_QEMU_APPEND", "")  # for debugging a guest
-        argv = [qemu_path() or "qemu-system-x86_64", "-M", "microvm", "-accel", c["accel"],
+        # auto-read-only=off: a disk's file stays open read-write for the VM's whole life.
+        # qemu would otherwise reopen it by name when a migration deactivates or activates
+        # the disk, which it can no longer do once it runs as its own uid.
+        rw = "if=none,auto-read-only=off"
+        return [qemu_path() or "qemu-system-x86_64", "-M", "microvm", "-accel", accel,
                 "-m", str(c["memory_mb"]), "-smp", str(c["cpus"]),
-                "-nodefaults", "-no-user-config", "-display", "none",
+                "-nodefaults", "-no-user-config", "-display", "none", "-sandbox", SECCOMP,
                 # the console comes to the gateway on a pipe, which bounds what it keeps
                 "-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console",
                 "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "initrd.gz"), "-append", append.strip(),
-                "-drive", f"id=root,file={self.overlay},format=qcow2,if=none", "-device", "virtio-blk-device,drive=root",
+                "-drive", f"id=root,file={self.overlay},format=qcow2,{rw}", "-device", "virtio-blk-device,drive=root",
                 "-drive", f"id=agent,file={c['agent']},format=raw,if=none,readonly=on",
                 "-device", "virtio-blk-device,drive=agent",
-                "-drive", f"id=ws,file={self.ws_overlay},format=qcow2,if=none", "-device", "virtio-blk-device,drive=ws",
+                "-drive", f"id=ws,file={self.ws_overlay},format=qcow2,{rw}", "-device", "virtio-blk-device,drive=ws",
                 *agent_dev, "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off", "-no-reboot",
                 "-name", f"sandgate-{_tag(self.driver.home)}"]  # how reap() finds VMs of this home
-        if restore_from:
-            argv += ["-incoming", "exec:cat " + shlex.quote(str(restore_from / "state.mig"))]
-        return argv
 
     @property
     def cid(self) -> int:
@@ -300,19 +477,56 @@ class QemuSandbox(ProcessSandbox):
         return config
 
     async def _finish_incoming(self) -> None:
+        """Wait for the incoming migration to complete. Any other outcome raises
+        (the caller says why, from what qemu left once it is gone)."""
         end = time.monotonic() + 120
         while True:
-            try:
-                status = (await self.qmp.execute("query-migrate")).get("status")
-            except SandboxError:  # qemu exits when it cannot load the state: its stderr says why
-                await asyncio.wait({asyncio.ensure_future(self.proc.wait())}, timeout=5)
-                await self.console.drained()
-                raise SandboxError(f"restoring the VM's state failed: {self.failure()}") from None
+            info = await self.qmp.execute("query-migrate")  # raises once qemu has exited
+            status = info.get("status")
             if status == "completed":
                 return
-            if status == "failed" or self.proc.returncode is not None or time.monotonic() > end:
-                raise SandboxError(f"restoring the VM's state failed: {status}; {self.failure()}")
+            if status in ("failed", "cancelled"):  # qemu exits right after, saying why on stderr
+                raise SandboxError(f"migration {status}: {info.get('error-desc', '')}".rstrip(": "))
+            if self.proc.returncode is not None:
+                raise SandboxError(f"migration {status}")
+            if time.monotonic() > end:
+                raise SandboxError(f"migration not completed within 120 s (status {status})")
             await asyncio.sleep(0.05)
+
+    async def _exit_reason(self, otherwise: str) -> str:
+        """Why qemu stopped, once what it said on the way out is all in: the
+        same words whether its exit or a failed QMP call was noticed first.
+        ``otherwise``: what went wrong, if qemu does not exit."""
+        if self.proc is None:
+            return otherwise
+        try:
+            await asyncio.wait_for(asyncio.shield(self.proc.wait()), EXIT_GRACE)
+        except asyncio.TimeoutError:
+            return f"{otherwise} ({self.failure()})"
+        await self._drained()
+        return self.failure()
+
+    async def _drained(self) -> None:
+        """The console and stderr, read to their ends (the process has exited)."""
+        await self.console.drained()
+        if self._stderr_task:
+            await asyncio.wait({self._stderr_task}, timeout=EXIT_GRACE)
+
+    async def wait(self) -> int:
+        assert self.proc, "sandbox not started"
+        code = await self.proc.wait()
+        await self._drained()  # so that failure() sees qemu's and the guest's last words
+        return code
+
+    async def _qmp(self, command: str, **arguments: Any) -> Any:
+        """A QMP command on a VM that should be running; if qemu is gone, the
+        error says why it stopped rather than that its socket closed."""
+        try:
+            return await self.qmp.execute(command, **arguments)
+        except SandboxError as e:
+            if self.qmp.closed:
+                raise SandboxError(f"the VM stopped: {await self._exit_reason(str(e))}") from None
+            raise
 
     async def _connect_agent(self, deadline: float) -> None:
         end = time.monotonic() + deadline
@@ -327,11 +541,12 @@ class QemuSandbox(ProcessSandbox):
                     self.reader, self.writer = await asyncio.open_unix_connection(
                         str(self.sockets / "agent.sock"), limit=1 << 20)
                 return
-            except OSError:
+            except OSError as e:
                 # vsock refuses until the guest agent listens; the gateway's start
                 # timeout bounds the boot, this loop only the connection.
                 if self.proc.returncode is not None or time.monotonic() > end:
-                    raise SandboxError(f"cannot reach the guest agent: {self.failure()}") from None
+                    why = await self._exit_reason(f"{e.strerror or e} after {deadline:g} s")
+                    raise SandboxError(f"cannot reach the guest agent: {why}") from None
                 await asyncio.sleep(0.1)
 
     async def _drain_stderr(self) -> None:
@@ -339,17 +554,27 @@ class QemuSandbox(ProcessSandbox):
         async for line in self.proc.stderr:
             self._stderr = (self._stderr + [line.decode(errors="replace").rstrip()])[-10:]
 
+    def qemu_said(self, what: str) -> str:
+        """``what`` went wrong, with what qemu said about it on stderr."""
+        said = [ln for ln in self._stderr if "qemu" in ln][-2:]
+        return what + (f" ({' | '.join(said)})" if said else "")
+
     def failure(self) -> str:
         code = self.proc.returncode if self.proc else None
+        oom = self.cgroup.oom_kills() if self.cgroup else 0
         if code is None:
             what = "VM is running"
+        elif oom:
+            what = f"VM was killed: over its memory limit ({self.config['memory_mb']} MB and qemu's overhead)"
         elif code in (-9, 137):
             what = "VM was killed (SIGKILL)"
+        elif code == -31:
+            what = "qemu was killed by its seccomp filter (SIGSYS)"
         else:
             what = f"VM exited with status {code}"
         lines = self.console.lines()
         panic = [ln for ln in lines if "Kernel panic" in ln or "sandgate-init" in ln or "Error" in ln]
-        tail = (panic or lines)[-3:] + [ln for ln in self._stderr if "qemu" in ln][-2:]
+        tail = (panic or lines)[-3:] + [ln for ln in self._stderr if "qemu" in ln or ln.startswith("sh:")][-2:]
         return what + (": " + " | ".join(tail) if tail else "")
 
     async def stop(self) -> None:
@@ -363,6 +588,10 @@ class QemuSandbox(ProcessSandbox):
 
     async def destroy(self) -> None:
         await self.stop()
+        if self.cgroup:
+            self.cgroup.remove()  # empty now: qemu has exited and was waited for
+        if self.uid is not None:
+            self.driver.uids.discard(self.uid)
         shutil.rmtree(self.spec.state_dir, ignore_errors=True)
         shutil.rmtree(self.sockets, ignore_errors=True)
 
@@ -370,11 +599,15 @@ class QemuSandbox(ProcessSandbox):
 class QemuDriver(Driver):
     name = "qemu"
     sync_before_checkpoint = True
+    env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
+    env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
+    shares_workspace = False  # its workspace is a qcow2/raw disk kept in the workspace directory
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]
         self._accel: Optional[Tuple[str, str]] = None
         self._accel_lock = asyncio.Lock()
+        self.uids: set = set()  # those of this gateway's running VMs
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:
@@ -391,6 +624,19 @@ class QemuDriver(Driver):
                 self._accel = await asyncio.get_running_loop().run_in_executor(None, accel, self.home, image)
                 log.info("qemu acceleration: %s (%s)", *self._accel)
             return self._accel
+
+    def take_uid(self, sandbox_id: str) -> int:
+        """A uid (and gid) for one VM: its own among this gateway's VMs, the
+        same across gateways only by a hash collision, never an account's."""
+        h = int.from_bytes(hashlib.sha256(f"{self.home}:{sandbox_id}".encode()).digest()[:8], "big")
+        for i in range(UID_SPAN):
+            uid = UID_BASE + (h + i) % UID_SPAN
+            if uid in self.uids:
+                continue
+            if _unused_id(uid):
+                self.uids.add(uid)
+                return uid
+        raise SandboxError("no free uid for another VM")
 
     async def run(self, *cmd: str) -> None:
         p = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
@@ -427,20 +673,37 @@ class QemuDriver(Driver):
             raise SandboxError(f"not enough disk space for a checkpoint: {(st.f_bavail * st.f_frsize) >> 20} MB "
                                f"free in {image_dir.parent}, up to {need >> 20} MB needed")
         qmp = sandbox.qmp
+        state = image_dir / "state.mig"
         try:
-            await qmp.execute("stop")
-            await qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})  # the default throttles
-            await qmp.execute("migrate", uri="exec:cat > " + shlex.quote(str(image_dir / "state.mig")))
-            end = time.monotonic() + 120
-            while True:
-                info = await qmp.execute("query-migrate")
-                if info.get("status") == "completed":
-                    break
-                if info.get("status") in ("failed", "cancelled") or time.monotonic() > end:
-                    raise SandboxError(f"saving the VM's state failed: {info.get('error-desc', info.get('status'))}")
-                await asyncio.sleep(0.05)
+            try:
+                await qmp.execute("stop")
+                await qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})  # the default throttles
+                # The gateway opens the file and hands it over: qemu may neither open files
+                # (it runs as its own uid) nor start `cat` (its seccomp filter denies exec).
+                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await qmp.execute("getfd", fd=fd, fdname="sandgate-state")
+                finally:
+                    os.close(fd)
+                await qmp.execute("migrate", uri="fd:sandgate-state")
+                end = time.monotonic() + 120
+                while True:
+                    info = await qmp.execute("query-migrate")
+                    if info.get("status") == "completed":
+                        break
+                    if info.get("status") in ("failed", "cancelled") or time.monotonic() > end:
+                        raise SandboxError(info.get("error-desc", info.get("status")))
+                    await asyncio.sleep(0.05)
+            except SandboxError as e:
+                # qemu gone (its QMP closed) or alive: say which, the same way whatever came first.
+                if qmp.closed:
+                    why = await sandbox._exit_reason(str(e))
+                else:
+                    await asyncio.sleep(0.1)  # qemu wrote why on stderr before it answered: let it arrive
+                    why = sandbox.qemu_said(str(e))
+                raise SandboxError(f"saving the VM's state failed: {why}") from None
         except BaseException:
-            (image_dir / "state.mig").unlink(missing_ok=True)
+            state.unlink(missing_ok=True)
             if sandbox.running:
                 try:
                     await qmp.execute("cont")  # the VM carries on as if nothing happened
@@ -461,21 +724,45 @@ class QemuDriver(Driver):
                     shutil.move(str(dst), src)
             raise SandboxError(f"checkpoint failed after the VM stopped: {e}") from None
 
+    def restore_compatible(self, spec: SandboxSpec, image_dir: Path) -> Optional[str]:
+        """None if ``image_dir`` can be restored for ``spec``, else why not.
+
+        A migration restores only into a machine of the shape it was saved
+        from: the same memory and vCPUs (``vm.json``). A sandbox that asks for
+        other limits cannot start from that checkpoint (the template, say):
+        the caller cold-boots it instead. ``restore`` refuses it with this
+        same reason."""
+        try:
+            config = json.loads((image_dir / "vm.json").read_text())
+            have = (int(config["memory_mb"]), int(config["cpus"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"checkpoint image missing or damaged in {image_dir}"
+        want = vm_shape(spec.limits)
+        if want != have:
+            return (f"the checkpoint's VM has {have[0]} MB of memory and {have[1]} vCPU(s), the sandbox's limits "
+                    f"ask for {want[0]} MB and {want[1]} vCPU(s): a VM restores only with the memory and vCPUs "
+                    f"it was saved with")
+        return None
+
     async def restore(self, spec: SandboxSpec, image_dir: Path, consume: bool = False) -> Sandbox:
+        why = self.restore_compatible(spec, image_dir)
+        if why:
+            raise SandboxError(why)
         return await self.create(spec, restore_from=image_dir, consume=consume)
 
     async def freeze(self, sandbox: Sandbox) -> None:
         assert isinstance(sandbox, QemuSandbox)
-        await sandbox.qmp.execute("stop")
+        await sandbox._qmp("stop")
 
     async def thaw(self, sandbox: Sandbox) -> None:
         assert isinstance(sandbox, QemuSandbox)
-        await sandbox.qmp.execute("cont")
+        await sandbox._qmp("cont")
 
     async def reap(self) -> int:
-        """Kill VMs an earlier gateway process on this home left running."""
+        """Kill VMs an earlier gateway process on this home left running, and
+        remove their sockets and cgroups."""
         name = f"sandgate-{_tag(self.home)}".encode()
-        n = 0
+        killed = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -484,9 +771,14 @@ class QemuDriver(Driver):
             if argv[0].endswith(b"qemu-system-x86_64") and name in argv:
                 try:
                     os.kill(int(pid), signal.SIGKILL)
-                    n += 1
+                    killed.append(int(pid))
                 except ProcessLookupError:
                     pass
         for d in Path(tempfile.gettempdir()).glob(f"sgq-{_tag(self.home)}-*"):
             shutil.rmtree(d, ignore_errors=True)
-        return n
+        # A killed VM leaves its cgroup once it is gone (its new parent reaps it).
+        cgroups = [d for c in VMCgroup("x").dirs for d in c.parent.glob(f"{_tag(self.home)}-*")]
+        if cgroups:
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [_rmdir_cgroup(d, wait=10 if killed else 0) for d in cgroups])
+        return len(killed)
