@@ -4,7 +4,8 @@ filesystem as the gVisor image (rootfs.py):
 * ``vmlinuz``: the Debian cloud kernel (linux-image-cloud-amd64);
 * ``initrd.gz``: busybox (busybox-static) plus the virtio modules the cloud
   kernel ships as modules; its /init mounts the disks and executes the guest
-  agent as PID 1 on the virtio-serial port named ``sandgate``;
+  agent as PID 1 on the virtio-serial port named ``sandgate``, with user
+  namespaces turned off and no_new_privs set;
 * ``root.ext4``: the root filesystem as a raw ext4 image, the read-only base
   every VM's qcow2 root overlay sits on;
 * ``workspace.ext4``: an empty ext4 filesystem, the base of every VM's
@@ -55,6 +56,9 @@ for a in $($B cat /proc/cmdline); do
   case "$a" in sandgate.transport=*) T="${{a#*=}}";; sandgate.probe=1) echo sandgate-probe-ok >/dev/ttyS0; $B poweroff -f;; esac
 done
 {insmods}
+# No user namespaces in the guest, for anyone: in one, the kernel's uid 1000 would hold every
+# capability over what the namespace owns, and the guest kernel's namespace code is attack surface.
+echo 0 >/proc/sys/user/max_user_namespaces || echo "sandgate-init: cannot turn off user namespaces" >/dev/ttyS0
 $B mount -o ro /dev/vda /newroot || {{ echo "sandgate-init: cannot mount the root disk" >/dev/ttyS0; $B poweroff -f; }}
 $B mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
 $B mount -o ro /dev/vdb /newroot/opt/sandgate || echo "sandgate-init: cannot mount the agent disk" >/dev/ttyS0
@@ -63,7 +67,9 @@ for p in /sys/class/virtio-ports/*; do
   [ "$($B cat $p/name)" = sandgate ] && $B ln -sf /dev/$($B basename $p) /dev/sandgate
 done
 $B mount --move /dev /newroot/dev; $B mount --move /proc /newroot/proc; $B mount --move /sys /newroot/sys
-exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 \\
+# no_new_privs from here on, inherited by the agent and everything it starts: no setuid or
+# file-capability binary raises the kernel's (uid 1000) privileges.
+exec $B switch_root /newroot /usr/bin/setpriv --no-new-privs /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 \\
   PYTHONPATH=/opt/sandgate PYTHONDONTWRITEBYTECODE=1 MPLCONFIGDIR=/tmp/matplotlib PYDEVD_DISABLE_FILE_VALIDATION=1 \\
   /usr/bin/python3 -m sandgate_agent.agent --transport "$T" --workspace /workspace \\
   --runtime-dir /tmp/sandgate --user 1000
