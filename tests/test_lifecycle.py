@@ -193,6 +193,8 @@ async def test_a_dying_sandbox_answers_pending_cells_and_restart_revives_it(tmp_
     with pytest.raises(Conflict) as e:
         c.execute("1")
     assert e.value.state == "dead"
+    with pytest.raises(Conflict, match="restart it instead"):
+        await svc.resume(sb.id)
     await svc.restart(sb.id)
     assert sb.state == State.RUNNING and sb.record.reason is None
     got = await c.replies([c.execute("2")])
@@ -339,7 +341,8 @@ async def test_a_failed_resume_stays_paused_and_answers_the_waiting(tmp_path):
     driver_of(svc).fail["restore"] = "image unreadable"
     mid = c.execute("1")
     got = await c.replies([mid])
-    assert got[mid]["status"] == "error" and "image unreadable" in got[mid]["evalue"]
+    assert got[mid]["ename"] == "SandboxUnavailable" and "image unreadable" in got[mid]["evalue"]
+    assert "still paused, its state kept" in got[mid]["evalue"]
     assert sb.state == State.PAUSED and "image unreadable" in sb.record.reason
     await svc.resume(sb.id)  # the image was left whole: the next try works
     assert sb.state == State.RUNNING
@@ -376,3 +379,12 @@ async def test_the_culler_leaves_a_sandbox_that_is_still_starting(tmp_path):
     drv.gates["create"].set()
     sb = await starting
     assert sb.state == State.RUNNING and (datetime.datetime.now(datetime.timezone.utc) - sb.last_activity).total_seconds() < 5
+
+
+@run
+async def test_a_disk_size_is_refused_where_the_workspace_is_a_fixed_vm_disk(tmp_path):
+    from sandgate.core.errors import BadRequest
+
+    svc = make(tmp_path)  # the fake, like a VM driver, keeps its workspace as a plain directory
+    with pytest.raises(BadRequest, match="disk_mb cannot be set for the fake driver"):
+        await svc.start(StartRequest(limits=LimitsRequest(disk_mb=64)))

@@ -1,6 +1,6 @@
 """The kernel websocket, ``/api/kernels/{id}/channels``.
 
-One connection is one listener on a kernel (see sessions.Kernel): it gets
+One connection is one listener on a sandbox's kernel (core/fanout.py): it gets
 every iopub message and the replies to its own requests. The wire format is
 legacy JSON unless the client offers the v1 subprotocol. A frame that is not
 a Jupyter message is logged and ignored; the connection stays usable (Kernel

@@ -201,7 +201,8 @@ def openapi() -> dict:
         r = {"description": desc}
         if name:
             r["content"] = {"application/json": {"schema": ref(name)}}
-        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message"}'}}
+        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message", "code"[, "state"]}'},
+                "5XX": {"description": 'JSON error {"reason", "message", "code"}: 503 when a runtime failed'}}
 
     sid = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
     fpath = sid + [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}]

@@ -422,6 +422,9 @@ class Sandbox:
         async with self.lock:
             if self.state in states.WAKES:
                 await self._resume()
+            elif self.state == State.DEAD:
+                raise Conflict(f"sandbox {self.id} is dead: {self.record.reason or 'no runtime'}; "
+                               "restart it instead", state=self.state.value)
 
     async def _resume(self) -> None:
         r = self.record
@@ -465,7 +468,10 @@ class Sandbox:
             try:
                 await self.resume()
             except Exception as e:
-                self._fail_waiting(f"it could not be resumed: {e}")
+                kept = self.state == State.PAUSED
+                self._fail_waiting(f"The sandbox could not be resumed to run this cell: {e}"
+                                   + ("; it is still paused, its state kept, and the next request tries again"
+                                      if kept else ""), ename="SandboxUnavailable")
 
         self._waking = asyncio.ensure_future(wake())
 
@@ -563,17 +569,17 @@ class Sandbox:
         for channel, parts in self.held.take():
             self.link.send_kernel(channel, parts)
 
-    def _fail_waiting(self, why: str) -> None:
+    def _fail_waiting(self, why: str, ename: str = "DeadKernelError") -> None:
         self.held.take()
-        self._fail_pending(why)
+        self._fail_pending(why, ename)
 
-    def _fail_pending(self, why: str) -> None:
+    def _fail_pending(self, why: str, ename: str = "DeadKernelError") -> None:
         """Answer every execute_request the kernel will never answer, so no
         client waits forever (Kernel Gateway leaves them hanging)."""
         pending, self.pending = self.pending, {}
         for header in pending.values():
-            evalue = f"The kernel died while running this cell ({why}); its state is lost"
-            self.fanout.reply("shell", error_reply(header, "DeadKernelError", evalue))
+            evalue = why if ename != "DeadKernelError" else f"The kernel died while running this cell ({why}); its state is lost"
+            self.fanout.reply("shell", error_reply(header, ename, evalue))
             self.fanout.broadcast("iopub", status_message("idle", header))
 
     def _on_kernel(self, channel: str, parts: List[bytes]) -> None:

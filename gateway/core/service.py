@@ -163,6 +163,9 @@ class SandboxService:
         except KeyError:
             raise NotFound(f"No such kernel named {name}") from None
         limits = self.limits(req.limits)
+        if req.limits and req.limits.disk_mb is not None and not self.manager.drivers[spec.driver].shares_workspace:
+            raise BadRequest(f"limits.disk_mb cannot be set for the {spec.driver} driver: its workspace is the "
+                             "VM image's own disk, of a fixed size (docs/drivers.md)")
         env = self.kernel_env(req.env)
         if source and not req.limits:
             limits = source.record.limits  # a fork keeps its parent's limits...

@@ -31,16 +31,17 @@ class State(str, enum.Enum):
 
 S = State
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
-    S.STARTING: frozenset({S.RUNNING, S.DEAD, S.DELETED}),
+    S.STARTING: frozenset({S.RUNNING, S.DEAD}),
     S.RUNNING: frozenset({S.CHECKPOINTING, S.PAUSING, S.RESTARTING, S.DEAD, S.DELETED}),
     # A failed checkpoint leaves the sandbox running, or dead if the runtime stopped first.
     S.CHECKPOINTING: frozenset({S.RUNNING, S.DEAD}),
     # A failed pause leaves it running (or dead); the gateway's shutdown pauses to disk.
     S.PAUSING: frozenset({S.PAUSED, S.FROZEN, S.RUNNING, S.DEAD}),
-    S.PAUSED: frozenset({S.RESUMING, S.DEAD, S.DELETED}),
-    S.FROZEN: frozenset({S.RESUMING, S.PAUSING, S.DEAD, S.DELETED}),
+    S.PAUSED: frozenset({S.RESUMING, S.DELETED}),
+    # Frozen to disk goes through running (thawed, then checkpointed).
+    S.FROZEN: frozenset({S.RESUMING, S.DEAD, S.DELETED}),
     # A failed resume from disk leaves the image whole: paused again, and the next call retries.
-    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.FROZEN, S.DEAD}),
+    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.DEAD}),
     S.RESTARTING: frozenset({S.RUNNING, S.DEAD}),
     S.DEAD: frozenset({S.RESTARTING, S.DELETED}),
     S.DELETED: frozenset(),
