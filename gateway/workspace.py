@@ -49,7 +49,8 @@ class WorkspaceError(Exception):
     """A workspace could not be created, mounted or removed; the message says why."""
 
 
-def _unused(uid: int) -> bool:
+def unused_id(uid: int) -> bool:
+    """Neither a user's nor a group's (through NSS, as ls and ps would see it)."""
     for lookup in (pwd.getpwuid, grp.getgrgid):
         try:
             lookup(uid)
@@ -73,12 +74,12 @@ def sandbox_uid() -> int:
                 uid = int(env)
             except ValueError:
                 raise WorkspaceError(f"SANDGATE_SANDBOX_UID={env!r} is not a number") from None
-            if not 0 < uid < 0xFFFFFFFF or not _unused(uid):
+            if not 0 < uid < 0xFFFFFFFF or not unused_id(uid):
                 raise WorkspaceError(f"SANDGATE_SANDBOX_UID={uid} belongs to a user or group of this host "
                                      "(or is out of range): sandboxes need a uid nobody has")
             _uid = uid
         else:
-            _uid = next((u for u in UID_RANGE if _unused(u)), None)
+            _uid = next((u for u in UID_RANGE if unused_id(u)), None)
             if _uid is None:
                 raise WorkspaceError(f"every uid in {UID_RANGE.stop + 1}..{UID_RANGE.start} belongs to a user or "
                                      "group: set SANDGATE_SANDBOX_UID to one that nobody has")

@@ -31,9 +31,7 @@ import hashlib
 import json
 import logging
 import errno
-import grp
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -43,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..workspace import unused_id
 from .base import Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
 from .console import ConsoleLog
 
@@ -161,17 +160,6 @@ def vm_shape(limits: Limits) -> Tuple[int, int]:
     """The memory (MiB) and vCPUs a VM gets for these limits. A migration
     restores only into a machine of the same shape."""
     return limits.memory_mb, max(1, int(limits.cpus))
-
-
-def _unused_id(uid: int) -> bool:
-    """Neither a user's nor a group's (through NSS, as ls and ps would see it)."""
-    for lookup in (pwd.getpwuid, grp.getgrgid):
-        try:
-            lookup(uid)
-            return False
-        except KeyError:
-            pass
-    return True
 
 
 class VMCgroup:
@@ -633,7 +621,7 @@ class QemuDriver(Driver):
             uid = UID_BASE + (h + i) % UID_SPAN
             if uid in self.uids:
                 continue
-            if _unused_id(uid):
+            if unused_id(uid):
                 self.uids.add(uid)
                 return uid
         raise SandboxError("no free uid for another VM")
