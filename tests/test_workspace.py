@@ -58,7 +58,7 @@ def test_sandbox_uid_belongs_to_nobody_and_stays(monkeypatch):
     monkeypatch.setenv("SANDGATE_SANDBOX_UID", "0")
     with pytest.raises(WorkspaceError):
         sandbox_uid()
-    other = next(u for u in W.UID_RANGE if u != uid and W._unused(u))
+    other = next(u for u in W.UID_RANGE if u != uid and W.unused_id(u))
     monkeypatch.setenv("SANDGATE_SANDBOX_UID", str(other))
     assert sandbox_uid() == other
 
