@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ctypes
 import json
 import os
 import shutil
@@ -48,6 +49,23 @@ def as_user(uid: int | None) -> dict:
     can then neither read nor write the agent's own stream through
     /proc/1/fd, nor signal or trace the agent."""
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
+def no_new_privileges() -> None:
+    """PR_SET_NO_NEW_PRIVS on the agent itself, so that every process it
+    starts (the kernel, commands, whatever they start) inherits it: execve
+    never grants more privileges, so setuid binaries inside (su, newgrp) do
+    not elevate. Set here rather than in each child: a preexec function in a
+    process with threads (zmq's) can deadlock, and this way no child can be
+    started without it. Irreversible; the agent itself never needs to gain
+    privileges by execve. gVisor's OCI noNewPrivileges and a VM's init
+    (setpriv --no-new-privs) set it too; this holds wherever the agent runs."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as e:
+        log(f"cannot set no_new_privs: {e}")
 
 
 def log(*args) -> None:
@@ -569,6 +587,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernel-cmd", nargs="+", default=None, help="kernel argv; '-f CONNECTION_FILE' is appended")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are for the kernel
+    no_new_privileges()
     try:
         asyncio.run(main_async(args))
     except RuntimeError as e:

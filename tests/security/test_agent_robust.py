@@ -1,0 +1,114 @@
+"""The kernel and everything it starts run with no_new_privs (issue 11,
+finding 8's in-guest part): setuid binaries inside do not elevate.
+
+Real sandboxes behind a real gateway, for every driver the agent runs in,
+plus the agent on its own for what the gateway does not reach (exec)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import Gateway, wait_for
+from sandgate.agent_link import AgentLink
+from sandgate_agent import protocol as P
+
+DRIVERS = ["gvisor", "qemu"]
+
+
+@pytest.fixture(scope="module", params=DRIVERS)
+def gw(request, home, tmp_path_factory):
+    if request.param == "qemu":
+        from sandgate_images import vm
+
+        vm.build(home)
+    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
+    g.driver = request.param
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def sb(gw):
+    r = gw.request("POST", "/api/sandboxes", {"driver": gw.driver})
+    assert r.status == 201, r.body
+    sid = r.json()["id"]
+    yield sid
+    gw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def ex(gw, sid, code, timeout=60):
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout},
+                   timeout=timeout + 30)
+    assert r.status == 200, r.body
+    return r.json()
+
+
+NO_NEW_PRIVS = r'''
+import ctypes, json, subprocess, time
+nnp = ctypes.CDLL(None).prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
+line = subprocess.run(['grep', 'NoNewPrivs', '/proc/self/status'], capture_output=True, text=True).stdout.split()
+# su is setuid root in the image. Honoured, it runs with euid 0 while it waits
+# for a password on its stdin (kept open); with no_new_privs it stays the user.
+p = subprocess.Popen(['su', '-c', 'true'], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+uids, deadline = None, time.monotonic() + 30
+while uids is None and p.poll() is None and time.monotonic() < deadline:
+    try:
+        fields = dict(l.split(':', 1) for l in open(f'/proc/{p.pid}/status').read().splitlines() if ':' in l)
+    except OSError:
+        break
+    if fields.get('Name', '').strip() == 'su':
+        uids = [int(u) for u in fields['Uid'].split()]
+    else:
+        time.sleep(0.01)
+p.kill()
+p.wait()
+print(json.dumps({'nnp': nnp, 'status': line[1:], 'su_uids': uids}))
+'''
+
+
+def test_the_kernel_cannot_gain_privileges(gw, sb):
+    out = json.loads(ex(gw, sb, NO_NEW_PRIVS)["stdout"])
+    assert out["nnp"] == 1, out
+    # gVisor's /proc/self/status has no NoNewPrivs line; a VM's has.
+    assert out["status"] in ([], ["1"]), out
+    assert out["su_uids"] is not None, out  # su was seen running
+    assert 0 not in out["su_uids"], out  # real, effective, saved, filesystem uid
+
+
+@pytest.fixture
+def host_agent(tmp_path):
+    """The agent on its own, as the tests' user, over a unix socket."""
+    sock = str(tmp_path / "agent.sock")
+    log = open(tmp_path / "agent.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "sandgate_agent.agent", "--transport", f"unix:{sock}",
+                             "--workspace", str(tmp_path / "ws"), "--runtime-dir", str(tmp_path / "rt")],
+                            stderr=log)
+    wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, timeout=60, interval=0.1)
+    assert proc.poll() is None, (tmp_path / "agent.log").read_text()
+    yield sock
+    proc.kill()
+    proc.wait()
+    log.close()
+
+
+def test_commands_the_agent_runs_cannot_gain_privileges(host_agent):
+    """exec is not reached through the gateway: the agent on its own. The
+    test process itself has no no_new_privs, so the agent set it."""
+    assert "NoNewPrivs:\t0" in open("/proc/self/status").read()
+
+    async def main():
+        reader, writer = await asyncio.open_unix_connection(host_agent, limit=P.MAX_PAYLOAD)
+        link = AgentLink(reader, writer, lambda ch, parts: None, lambda ev: None)
+        ready = await asyncio.wait_for(link.ready, 60)
+        res, out = await link.request("exec", {"argv": ["grep", "NoNewPrivs", "/proc/self/status"]})
+        assert res["exit_code"] == 0 and out.split() == [b"NoNewPrivs:", b"1"], out
+        kernel = open(f"/proc/{ready['pid']}/status").read()
+        assert "NoNewPrivs:\t1" in kernel
+        await link.close()
+
+    asyncio.run(main())
