@@ -213,15 +213,27 @@ class Agent:
         self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
         self.deaths: collections.deque[float] = collections.deque(maxlen=5)
         self.pumps: list[asyncio.Future] = []
+        self.malformed, self.malformed_logged = 0, 0.0  # messages from the kernel dropped, not yet logged
 
     def connect_kernel(self) -> None:
         for t in self.pumps:
             t.cancel()
         self.kernel.connect()
         self.pumps = [asyncio.ensure_future(self.pump(ch)) for ch in ("shell", "control", "stdin", "iopub")]
+        for t in self.pumps:
+            t.add_done_callback(self.pump_ended)
+
+    @staticmethod
+    def pump_ended(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log(f"a kernel channel pump stopped: {task.exception()!r}")
 
     # -- kernel side ----------------------------------------------------
     async def start_kernel(self) -> dict:
+        """Start a kernel (first start, restart, after a crash) on new
+        sockets and pumps: whatever the last kernel left on the old ones, and
+        whatever became of their pumps, the new kernel starts clean."""
+        self.connect_kernel()
         await self.kernel.spawn()
         asyncio.ensure_future(self.watch(self.kernel.proc))
         info = await self.kernel_info()
@@ -285,25 +297,51 @@ class Agent:
         while True:
             msg = await sock.recv_multipart()
             try:
-                parts = msg[msg.index(DELIM) + 2:]
-            except ValueError:
+                frame = self.from_kernel(channel, msg)
+            except Exception as e:
+                # Code in the kernel can send anything on these sockets (it
+                # holds the connection file): a message that is not a Jupyter
+                # message is dropped, and the pump goes on.
+                self.malformed += 1
+                if time.monotonic() - self.malformed_logged >= 1:  # at most a line a second
+                    log(f"dropped {self.malformed} malformed message(s) from the kernel, the last on {channel}: "
+                        f"{type(e).__name__}: {e}"[:300])
+                    self.malformed, self.malformed_logged = 0, time.monotonic()
                 continue
-            if len(parts) < 4:
-                continue
-            if OWN in parts[1]:  # a reply to (or output of) the agent's own request
-                waiter = self.waiters.get(json.loads(parts[1]).get("msg_id"))
-                if waiter:
-                    fut = waiter[0] if channel == "shell" else waiter[1]
-                    if not fut.done():
-                        fut.set_result(json.loads(parts[3]))
-                continue
-            try:
-                frame = P.encode_kernel(channel, parts)
-            except P.ProtocolError as e:  # bigger than a frame may be: say so, keep going
-                log(f"dropping a {channel} message: {e}")
-                self.out.dropped += 1
-                continue
-            await self.out.send(frame)
+            if frame is not None:
+                await self.out.send(frame)
+
+    def from_kernel(self, channel: str, msg: list[bytes]) -> bytes | None:
+        """The frame to forward for one message from the kernel, or None when
+        it answers one of the agent's own requests. Raises ValueError (or any
+        JSON error) for a message that is not a Jupyter message: the gateway
+        and its clients parse these parts, so only JSON objects go out."""
+        try:
+            parts = msg[msg.index(DELIM) + 2:]
+        except ValueError:
+            raise ValueError("no delimiter") from None
+        if len(parts) < 4:
+            raise ValueError(f"{len(parts)} parts after the delimiter")
+        header, parent, metadata, content = (json.loads(p) for p in parts[:4])
+        if not all(isinstance(x, dict) for x in (header, parent, metadata, content)):
+            raise ValueError("a part is not a JSON object")
+        if not (isinstance(header.get("msg_id"), str) and isinstance(header.get("msg_type"), str)):
+            raise ValueError("a header without msg_id or msg_type")
+        parent_id = parent.get("msg_id")
+        if isinstance(parent_id, str) and parent_id.startswith(OWN.decode()):
+            # A reply to (or output of) the agent's own request.
+            waiter = self.waiters.get(parent_id)
+            if waiter:
+                fut = waiter[0] if channel == "shell" else waiter[1]
+                if not fut.done():
+                    fut.set_result(content)
+            return None
+        try:
+            return P.encode_kernel(channel, parts)
+        except P.ProtocolError as e:  # bigger than a frame may be: say so, keep going
+            log(f"dropping a {channel} message: {e}")
+            self.out.dropped += 1
+            return None
 
     # -- gateway side ---------------------------------------------------
     async def serve(self, reader: asyncio.StreamReader, writer) -> str:
@@ -535,7 +573,6 @@ async def stdio_streams():
 
 async def main_async(args: argparse.Namespace) -> None:
     agent = Agent(args)
-    agent.connect_kernel()
     info = await agent.start_kernel()
     ready = P.encode(P.EventFrame(event="ready", data=info))
     kind, _, where = args.transport.partition(":")

@@ -1,5 +1,7 @@
-"""The kernel and everything it starts run with no_new_privs (issue 11,
-finding 8's in-guest part): setuid binaries inside do not elevate.
+"""Issue 11, finding 10: a cell cannot wedge its own sandbox by sending
+malformed messages on the kernel's sockets; restart always recovers. And the
+kernel and everything it starts run with no_new_privs (finding 8's in-guest
+part): setuid binaries inside do not elevate.
 
 Real sandboxes behind a real gateway, for every driver the agent runs in,
 plus the agent on its own for what the gateway does not reach (exec)."""
@@ -9,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +48,65 @@ def ex(gw, sid, code, timeout=60):
                    timeout=timeout + 30)
     assert r.status == 200, r.body
     return r.json()
+
+
+# Sent through the kernel's own sockets, as any cell can: the iopub PUB that
+# the agent's SUB reads, and the shell ROUTER towards the agent's DEALER.
+GARBAGE = r'''
+import uuid
+k = get_ipython().kernel
+D = b"<IDS|MSG>"
+own = ('{"msg_id": "sandgate-agent-%s"}' % uuid.uuid4().hex).encode()
+status = b'{"msg_id": "x", "msg_type": "status", "session": "s", "username": "u", "date": "", "version": "5.3"}'
+garbage = [
+    [b"topic"],                                              # no delimiter
+    [D],                                                     # nothing after it
+    [D, b"sig", b"{}"],                                      # too few parts
+    [D, b"", status, b"not json sandgate-agent-", b"{}", b"{}"],
+    [D, b"", status, b'["sandgate-agent-"]', b"{}", b"{}"],
+    [D, b"", status, own, b"{}", b"\xff\xfe"],              # the agent's prefix, content not JSON
+    [D, b"", status, own, b"{}", b"[1]"],
+    [D, b"", status, b"{}", b"{}", b"[1]"],                  # the gateway reads a status's content
+    [D, b"", b"\xff", b"{}", b"{}", b"{}"],
+    [D, b"", b"[" * 100000, b"{}", b"{}", b"{}"],             # too deep to parse
+    [D, b"", b'{"msg_id": 1, "msg_type": "stream"}', b"{}", b"{}", b"{}"],
+]
+for g in garbage:
+    k.iopub_socket.send_multipart(g)
+ident = k._parent_ident["shell"]
+for g in garbage:
+    k.shell_stream.send_multipart(list(ident) + g)
+print("sent", len(garbage))
+'''
+
+
+def test_garbage_from_the_kernel_does_not_wedge_the_sandbox(gw, sb):
+    # A legacy websocket client attached: the gateway encodes every message
+    # the agent forwards as JSON for it.
+    c = gw.connect(sb)
+    try:
+        out = ex(gw, sb, GARBAGE)
+        assert out["status"] == "ok" and out["stdout"].startswith("sent"), out
+        out = ex(gw, sb, "1+1")
+        assert out["status"] == "ok" and out["outputs"][-1]["data"] == {"text/plain": "2"}, out
+    finally:
+        c.close()
+    assert gw.request("GET", f"/api/kernels/{sb}").json()["execution_state"] != "dead"
+    assert ex(gw, sb, "print('still fine')")["stdout"] == "still fine\n"
+
+
+def test_restart_recovers_in_place_after_garbage(gw, sb):
+    before = gw.request("GET", f"/api/sandboxes/{sb}").json()["runtime_id"]
+    assert ex(gw, sb, GARBAGE + "\nx = 41")["status"] == "ok"
+    t0 = time.monotonic()
+    r = gw.request("POST", f"/api/kernels/{sb}/restart")
+    assert r.status == 200, r.body
+    took = time.monotonic() - t0
+    out = ex(gw, sb, "print('x' in dir(), 1 + 1)")
+    assert out["stdout"] == "False 2\n", out
+    # Restarted inside the same sandbox, not recreated after the agent failed.
+    assert gw.request("GET", f"/api/sandboxes/{sb}").json()["runtime_id"] == before
+    assert "in-sandbox restart failed" not in gw.log_text(), took
 
 
 NO_NEW_PRIVS = r'''
