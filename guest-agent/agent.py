@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import ctypes
+import errno
 import json
 import os
-import shutil
+import posixpath
 import signal
 import socket
 import stat
@@ -201,12 +203,295 @@ class KernelProcess:
             s.close()
 
 
+O_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# setresuid, setresgid, setgroups: called directly, they change the calling
+# thread's credentials only (see Workspace.acting_as_user).
+SYSCALLS = {"x86_64": (117, 119, 116), "aarch64": (147, 149, 159)}
+
+
+class ThreadCredentials:
+    """The calling thread's effective uid/gid and groups, by raw system call.
+    glibc's set*id functions (which os.setresuid calls) apply a change to
+    every thread of the process, by signalling each one; under gVisor's ptrace
+    platform that cost about 10 ms per file operation."""
+
+    def __init__(self):
+        self.nr = SYSCALLS.get(os.uname().machine)
+        self.libc = ctypes.CDLL(None, use_errno=True) if self.nr else None
+
+    def _call(self, nr: int, *args) -> None:
+        if self.libc.syscall(nr, *args) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+
+    def setresuid(self, r: int, e: int, s: int) -> None:
+        if not self.nr:
+            return os.setresuid(r, e, s)
+        self._call(self.nr[0], ctypes.c_long(r), ctypes.c_long(e), ctypes.c_long(s))
+
+    def setresgid(self, r: int, e: int, s: int) -> None:
+        if not self.nr:
+            return os.setresgid(r, e, s)
+        self._call(self.nr[1], ctypes.c_long(r), ctypes.c_long(e), ctypes.c_long(s))
+
+    def setgroups(self, groups: list[int]) -> None:
+        if not self.nr:
+            return os.setgroups(groups)
+        arr = (ctypes.c_uint * max(1, len(groups)))(*groups)
+        self._call(self.nr[2], ctypes.c_long(len(groups)), arr)
+
+
+class Workspace:
+    """The files API, done so that the agent is no deputy for the code in the
+    sandbox (issue 11, finding 7).
+
+    The agent is root with CAP_DAC_OVERRIDE; the kernel's user controls every
+    name in the workspace and can swap a directory for a symlink at any
+    moment. So a path is never resolved and then opened: it is walked one
+    component at a time from a descriptor of the workspace, each component
+    opened with O_NOFOLLOW relative to the previous directory's descriptor
+    and its type checked with fstat (``open_at``); the operation then works
+    on descriptors only. A symlink anywhere is refused (even one pointing
+    inside: it could be swapped afterwards), a FIFO or device is refused
+    without blocking, and '..' is resolved by name, which is exact when no
+    symlink is followed. (openat2's RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS would
+    do the walk in one call, but runsc 20221219 answers ENOSYS; the walk works
+    everywhere, so it is the only path.)
+
+    And every file operation runs as the sandbox user (``acting_as_user``), so
+    its permissions are the kernel's own: a 0600 root file or a 0000 file is
+    refused by the kernel's own check, as it would be for the cell."""
+
+    def __init__(self, path: str, user: int | None):
+        self.path = path
+        self.user = user
+        # Only a root agent serving another user switches; the tests' agent
+        # runs as whoever started it, with no --user.
+        self.switch = user is not None and user != 0 and os.geteuid() == 0
+        self.egid, self.groups = os.getegid(), os.getgroups()
+        self.creds = ThreadCredentials()
+
+    @contextlib.contextmanager
+    def acting_as_user(self):
+        """Effective uid/gid of the sandbox user, and no supplementary groups,
+        for the duration of one file operation.
+
+        Credentials are per thread in Linux; glibc's set*id (what os.setresuid
+        calls) applies them to every thread, the raw system calls only to the
+        calling one (``ThreadCredentials``). Either is safe here because every
+        file operation runs synchronously on the event loop's thread, with no
+        await between the switch and its undo: no other task of the agent can
+        run as the user meanwhile (a kernel spawn would fail), and the other
+        threads (stdin reader, zmq I/O) only move bytes on descriptors they
+        already hold. Real and saved uid stay 0, which is how the effective
+        uid comes back, and which keeps the kernel's user from signalling or
+        tracing the agent meanwhile (both check the target's real and saved
+        uid). With the raw calls the operations could move to a worker thread
+        and stop blocking the loop on big files; with the glibc fallback they
+        could not, so they stay on the loop, as they always were."""
+        if not self.switch:
+            yield
+            return
+        creds = self.creds
+        try:
+            if self.groups:
+                creds.setgroups([])
+            creds.setresgid(-1, self.user, -1)
+            creds.setresuid(-1, self.user, -1)
+            yield
+        finally:
+            creds.setresuid(-1, 0, -1)
+            creds.setresgid(-1, self.egid, -1)
+            if self.groups:
+                creds.setgroups(self.groups)
+
+    @staticmethod
+    def components(path: str) -> list[str]:
+        norm = posixpath.normpath(path.lstrip("/"))
+        if norm == ".":
+            return []
+        if norm == ".." or norm.startswith("../"):
+            raise PermissionError(f"{path!r} is outside the workspace")
+        return norm.split("/")
+
+    @staticmethod
+    def open_at(dfd: int, name: str, path: str, directory: bool) -> int:
+        """Open ``name`` in the directory ``dfd`` without following a symlink;
+        a directory when ``directory``, otherwise a regular file.
+
+        O_NOFOLLOW without O_DIRECTORY: given both, runsc 20221219 follows a
+        symlink to a directory. So the type is checked on the descriptor, and
+        O_NONBLOCK keeps the open of a FIFO from waiting for a writer."""
+        try:
+            fd = os.open(name, O_OPEN, dir_fd=dfd)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # with O_NOFOLLOW: the name is a symlink
+                raise PermissionError(f"refusing to follow a symlink in {path!r}") from None
+            raise
+        mode = os.fstat(fd).st_mode
+        if directory and not stat.S_ISDIR(mode):
+            os.close(fd)
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+        if not directory and not stat.S_ISREG(mode):
+            os.close(fd)
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+            raise PermissionError(f"refusing to read {path!r}: not a regular file")
+        return fd
+
+    def open_dir(self, parts: list[str], path: str, create: bool = False) -> int:
+        """A descriptor of the directory at ``parts`` beneath the workspace,
+        no symlink followed; missing directories are made if ``create``."""
+        fd = os.open(self.path, O_OPEN)
+        try:
+            for name in parts:
+                try:
+                    nfd = self.open_at(fd, name, path, directory=True)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                    except FileExistsError:  # made meanwhile: whatever it is, open_at checks it
+                        pass
+                    nfd = self.open_at(fd, name, path, directory=True)
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read_file(self, path: str) -> bytes:
+        parts = self.components(path)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        dfd = self.open_dir(parts[:-1], path)
+        try:
+            fd = self.open_at(dfd, parts[-1], path, directory=False)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(P.MAX_PAYLOAD + 1)
+        if len(data) > P.MAX_PAYLOAD:
+            raise ValueError("file is larger than the protocol's payload limit")
+        return data
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        parts = self.components(path)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        name = parts[-1]
+        dfd = self.open_dir(parts[:-1], path, create=True)
+        try:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                if stat.S_ISLNK(st.st_mode):
+                    raise PermissionError(f"refusing to write through the symlink {path!r}")
+                if stat.S_ISDIR(st.st_mode):
+                    raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+            # Written to a temporary name and renamed: readers never see half a
+            # file, and the rename replaces whatever entry is there by then
+            # (even a symlink swapped in) without following it.
+            tmp = f"{name}.sandgate-{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    # On disk before the write is acknowledged: a VM that is
+                    # killed keeps what was acknowledged.
+                    os.fsync(f.fileno())
+                    os.fchmod(f.fileno(), mode & 0o777)  # never setuid, setgid or sticky
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def directory(self, path: str) -> int:
+        return self.open_dir(self.components(path), path)
+
+    def list_dir(self, path: str) -> list[dict]:
+        fd = self.directory(path)
+        entries = []
+        try:
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # gone since the listing was read
+                        continue
+                    kind = ("directory" if stat.S_ISDIR(st.st_mode) else
+                            "symlink" if stat.S_ISLNK(st.st_mode) else "file")
+                    entries.append({"name": e.name, "type": kind, "size": st.st_size, "mtime": st.st_mtime})
+        finally:
+            os.close(fd)
+        return sorted(entries, key=lambda e: e["name"])
+
+    def delete(self, path: str) -> None:
+        parts = self.components(path)
+        if not parts:
+            raise PermissionError("refusing to delete the workspace itself")
+        dfd = self.open_dir(parts[:-1], path)
+        try:
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", path) from None
+            if stat.S_ISDIR(st.st_mode):
+                self._rmtree(dfd, parts[-1], path)
+            else:  # a symlink goes itself, never what it points to
+                os.unlink(parts[-1], dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def _rmtree(self, dfd: int, name: str, path: str) -> None:
+        """Like shutil.rmtree with dir_fd, but every directory is opened with
+        open_at: an entry swapped for a FIFO or a symlink meanwhile fails the
+        delete instead of blocking or being followed."""
+        fd = self.open_at(dfd, name, path, directory=True)
+        try:
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for child, is_dir in entries:
+                if is_dir:
+                    self._rmtree(fd, child, path)
+                else:
+                    os.unlink(child, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dfd)
+
+    def run(self, fn, path: str, *args):
+        """One file operation as the sandbox user. What that user may not do
+        is refused (403 at the gateway), like what is outside the workspace."""
+        try:
+            with self.acting_as_user():
+                return fn(path, *args)
+        except PermissionError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PermissionError(f"refusing {path!r}: permission denied to the sandbox user") from None
+            raise
+
+
 class Agent:
     def __init__(self, args: argparse.Namespace):
         self.workspace = os.path.realpath(args.workspace)
         os.makedirs(self.workspace, exist_ok=True)
         self.out = Outbox(args.buffer_frames, args.buffer_bytes)
         self.user = args.user
+        self.files = Workspace(self.workspace, args.user)
         self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd, args.user)
         self.ready = asyncio.Event()
         self.restarting = False
@@ -380,12 +665,6 @@ class Agent:
             data = b""
         await self.out.send(P.encode(resp, data))
 
-    def resolve(self, path: str) -> str:
-        full = os.path.realpath(os.path.join(self.workspace, path.lstrip("/")))
-        if full != self.workspace and not full.startswith(self.workspace + os.sep):
-            raise PermissionError(f"{path!r} is outside the workspace")
-        return full
-
     async def op_ping(self, a, _):
         alive = self.kernel.proc is not None and self.kernel.proc.returncode is None
         return {"kernel_alive": alive, "kernel_responding": alive and await self.kernel.heartbeat(),
@@ -447,69 +726,35 @@ class Agent:
             self.restarting = False
         return info, b""
 
+    # File operations run synchronously on the event loop's thread: see
+    # Workspace.acting_as_user for why they must.
     async def op_file_read(self, a, _):
-        with open(self.resolve(a.path), "rb") as f:
-            data = f.read(P.MAX_PAYLOAD + 1)
-        if len(data) > P.MAX_PAYLOAD:
-            raise ValueError("file is larger than the protocol's payload limit")
+        data = self.files.run(self.files.read_file, a.path)
         return {"size": len(data)}, data
 
     async def op_file_write(self, a, payload):
-        path = self.resolve(a.path)
-        self.makedirs(os.path.dirname(path))
-        tmp = f"{path}.sandgate-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            # On disk before the write is acknowledged: a VM that is killed
-            # keeps what was acknowledged (its page cache dies with it).
-            os.fsync(f.fileno())
-        os.chmod(tmp, a.mode)
-        if self.user is not None:
-            os.chown(tmp, self.user, self.user)
-        os.replace(tmp, path)  # readers never see half a file
-        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        self.files.run(self.files.write_file, a.path, payload, a.mode)
         return {"size": len(payload)}, b""
 
-    def makedirs(self, path: str) -> None:
-        """Create missing directories, owned by the sandbox user like the rest."""
-        missing = []
-        while not os.path.isdir(path):
-            missing.append(path)
-            path = os.path.dirname(path)
-        for d in reversed(missing):
-            os.mkdir(d)
-            if self.user is not None:
-                os.chown(d, self.user, self.user)
-
     async def op_file_list(self, a, _):
-        base = self.resolve(a.path)
-        entries = []
-        for e in sorted(os.scandir(base), key=lambda e: e.name):
-            st = e.stat(follow_symlinks=False)
-            kind = "directory" if stat.S_ISDIR(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode) else "file"
-            entries.append({"name": e.name, "type": kind, "size": st.st_size, "mtime": st.st_mtime})
-        return {"entries": entries}, b""
+        return {"entries": self.files.run(self.files.list_dir, a.path)}, b""
 
     async def op_file_delete(self, a, _):
-        path = self.resolve(a.path)
-        if path == self.workspace:
-            raise PermissionError("refusing to delete the workspace itself")
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
+        self.files.run(self.files.delete, a.path)
         return {}, b""
 
     async def op_exec(self, a, _):
-        proc = await asyncio.create_subprocess_exec(
-            *a.argv, cwd=self.resolve(a.cwd), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            **as_user(self.user))
+        # The working directory is walked like any file path, and the child
+        # changes into the very directory that was checked, through the
+        # descriptor (its chdir runs before it drops to the user).
+        cwd = self.files.run(self.files.directory, a.cwd)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *a.argv, cwd=f"/proc/self/fd/{cwd}", stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                **as_user(self.user))
+        finally:
+            os.close(cwd)
         timed_out = False
         try:
             out, err = await asyncio.wait_for(proc.communicate(), a.timeout)
