@@ -21,12 +21,14 @@ import collections
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import posixpath
 import signal
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -68,6 +70,33 @@ def no_new_privileges() -> None:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except (OSError, AttributeError) as e:
         log(f"cannot set no_new_privs: {e}")
+
+
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
+
+
+def reseed_kernel_random(*extra: bytes) -> None:
+    """A VM restored from a snapshot resumes its kernel's random generator
+    where the snapshot left it: every copy of one checkpoint draws the same
+    bytes (os.urandom, uuid4, the reseed in setup) until that kernel reseeds
+    on its own, up to a minute later. So mix in what differs between copies
+    (the host's clock at the restore, the time here to the nanosecond) and
+    have the kernel reseed now. This makes the copies differ, not secret from
+    each other: entropy from the host would. RNDRESEEDCRNG needs CAP_SYS_ADMIN,
+    which a VM's agent has; in gVisor randomness comes from the host kernel and
+    this does nothing (or fails, harmlessly)."""
+    data = b"".join(extra) + struct.pack("<3q", time.time_ns(), time.monotonic_ns(), time.perf_counter_ns())
+    try:
+        fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(fd, data)
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def log(*args) -> None:
@@ -499,6 +528,7 @@ class Agent:
         self.deaths: collections.deque[float] = collections.deque(maxlen=5)
         self.pumps: list[asyncio.Future] = []
         self.malformed, self.malformed_logged = 0, 0.0  # messages from the kernel dropped, not yet logged
+        self.restored_at = b""  # the host's clock sent with the last reconnect
 
     def connect_kernel(self) -> None:
         for t in self.pumps:
@@ -682,6 +712,8 @@ class Agent:
                 time.clock_settime(time.CLOCK_REALTIME, a.clock)
             except OSError:
                 pass
+        self.restored_at = repr(a.clock).encode()
+        reseed_kernel_random(self.restored_at)
         try:
             info = await self.kernel_info(deadline=5)
         except RuntimeError:
@@ -693,15 +725,20 @@ class Agent:
 
     async def op_setup(self, a, _):
         """Make a sandbox restored from a shared checkpoint its own: its
-        environment, and fresh randomness (every copy of a checkpoint would
-        otherwise draw the same 'random' numbers)."""
+        environment, fresh randomness (every copy of a checkpoint would
+        otherwise draw the same 'random' numbers), and a session id of its
+        own for the kernel's messages (every copy had the checkpoint's)."""
         os.environ.update(a.env)
+        reseed_kernel_random(self.restored_at, json.dumps(a.env).encode())
+        self.kernel.session.session = str(uuid.uuid4())
         code = ["import os as _sg_os, random as _sg_random",
                 f"_sg_os.environ.update({json.dumps(a.env)})",
-                "_sg_random.seed(_sg_os.urandom(32))"]
+                "_sg_random.seed(_sg_os.urandom(32))",
+                "_sg_k = getattr(get_ipython(), 'kernel', None)",
+                f"if _sg_k is not None: _sg_k.session.session = {json.dumps(str(uuid.uuid4()))}"]
         if a.reseed_numpy:
             code.append("import sys as _sg_sys\nif 'numpy' in _sg_sys.modules: _sg_sys.modules['numpy'].random.seed()")
-        code.append("del _sg_os, _sg_random" + (", _sg_sys" if a.reseed_numpy else ""))
+        code.append("del _sg_os, _sg_random, _sg_k" + (", _sg_sys" if a.reseed_numpy else ""))
         reply = await self.own_request("execute_request", {"code": "\n".join(code), "silent": True,
                                                            "store_history": False}, 30)
         if reply.get("status") != "ok":

@@ -174,3 +174,29 @@ def test_commands_the_agent_runs_cannot_gain_privileges(host_agent):
         await link.close()
 
     asyncio.run(main())
+
+
+def test_copies_of_one_checkpoint_get_their_own_kernel_session_and_randomness(gw, sb):
+    """Finding 11e: every sandbox restored from one checkpoint (the warm-start
+    template, forks) had that checkpoint's ipykernel session id in its
+    messages' headers; setup now gives each its own. In a VM the copies' kernel
+    random generators also resumed identical, so the ids setup drew, and its
+    reseed of `random`, were the same in every copy: the agent has the guest
+    kernel reseed at the restore."""
+    ask = "import random; print(get_ipython().kernel.session.session, random.random())"
+    own = ex(gw, sb, ask)["stdout"].split()
+    r = gw.request("POST", f"/api/sandboxes/{sb}/checkpoints", {})
+    assert r.status == 201, r.body
+    cp = r.json()["id"]
+    forks = []
+    try:
+        for _ in range(2):
+            r = gw.request("POST", f"/api/sandboxes/{sb}/fork", {"checkpoint": cp})
+            assert r.status == 201, r.body
+            forks.append(r.json()["id"])
+        copies = [ex(gw, f, ask)["stdout"].split() for f in forks]
+    finally:
+        for f in forks:
+            gw.request("DELETE", f"/api/sandboxes/{f}")
+    assert len({own[0], copies[0][0], copies[1][0]}) == 3, (own, copies)
+    assert copies[0][1] != copies[1][1], copies
