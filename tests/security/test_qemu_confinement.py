@@ -142,3 +142,17 @@ def test_the_guest_kernel_has_no_user_namespaces_and_no_new_privileges(vmgw):
         assert nnp == "['1']", out
     finally:
         vmgw.request("DELETE", f"/api/sandboxes/{sid}")
+
+
+def test_a_vm_gets_the_memory_and_cpus_asked_for_not_the_templates(vmgw):
+    """Finding 6: {"memory_mb": 256} ran with the template's -m 1024. Limits other
+    than the defaults boot cold (a restore needs the checkpoint's shape, and
+    QemuDriver.restore_compatible refuses any other: tests/test_qemu.py)."""
+    sid = create(vmgw, memory_mb=256, cpus=2)
+    try:
+        mem_mb, cpus = map(int, run(vmgw, sid, (
+            "import os\nmem = next(int(l.split()[1]) for l in open('/proc/meminfo') if l.startswith('MemTotal:'))\n"
+            "print(mem >> 10, os.cpu_count())")).split())
+        assert 150 < mem_mb < 300 and cpus == 2  # -m 256 -smp 2, not the defaults (1024, 1)
+    finally:
+        assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
