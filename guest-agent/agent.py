@@ -99,6 +99,15 @@ def reseed_kernel_random(*extra: bytes) -> None:
         os.close(fd)
 
 
+def host_entropy(hexdigits: str) -> bytes:
+    """The gateway's random bytes: with them, restored copies are not only
+    different but unpredictable to each other."""
+    try:
+        return bytes.fromhex(hexdigits)
+    except ValueError:
+        return b""
+
+
 def log(*args) -> None:
     print("sandgate-agent:", *args, file=sys.stderr, flush=True)
 
@@ -713,7 +722,7 @@ class Agent:
             except OSError:
                 pass
         self.restored_at = repr(a.clock).encode()
-        reseed_kernel_random(self.restored_at)
+        reseed_kernel_random(self.restored_at, host_entropy(a.entropy))
         try:
             info = await self.kernel_info(deadline=5)
         except RuntimeError:
@@ -729,7 +738,7 @@ class Agent:
         otherwise draw the same 'random' numbers), and a session id of its
         own for the kernel's messages (every copy had the checkpoint's)."""
         os.environ.update(a.env)
-        reseed_kernel_random(self.restored_at, json.dumps(a.env).encode())
+        reseed_kernel_random(self.restored_at, json.dumps(a.env).encode(), host_entropy(a.entropy))
         self.kernel.session.session = str(uuid.uuid4())
         code = ["import os as _sg_os, random as _sg_random",
                 f"_sg_os.environ.update({json.dumps(a.env)})",

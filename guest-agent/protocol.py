@@ -101,11 +101,13 @@ class NoArgs(BaseModel):
 
 class ReconnectArgs(BaseModel):
     clock: Optional[float] = None  # the host's time: a VM's clock stood still while it was saved
+    entropy: str = ""  # hex from the host's CSPRNG: copies of one checkpoint must not share a random state
 
 
 class SetupArgs(BaseModel):
     env: Dict[str, str] = {}
     reseed_numpy: bool = True
+    entropy: str = ""  # as in ReconnectArgs
 
 
 OP_ARGS = {

@@ -28,7 +28,7 @@ from . import states
 from .errors import LimitReached, NotFound, Unavailable
 from .pool import WarmPool
 from .record import SandboxRecord
-from .sandbox import Sandbox
+from .sandbox import Sandbox, setup_args
 from .states import State
 
 log = logging.getLogger("sandgate.manager")
@@ -98,7 +98,7 @@ class SandboxManager:
                 await sb.ws.rename(rec.id)
                 sb.runtime.spec.workspace = sb.workspace
                 sb.fanout.clear()
-                await sb.link.request("setup", {"env": env}, timeout=30)
+                await sb.link.request("setup", setup_args(env), timeout=30)
                 self.sandboxes[sb.id] = sb
                 sb._stored = State.STARTING  # not in the store yet: put below
                 await self.store.put(sb.record)
@@ -117,7 +117,7 @@ class SandboxManager:
                         how = f"from checkpoint {checkpoint.id}"
                         await sb.fill_workspace(checkpoint)
                         await sb.boot(restore_from=self.checkpoints.state_dir(checkpoint.id))
-                        await sb.link.request("setup", {"env": env}, timeout=30)
+                        await sb.link.request("setup", setup_args(env), timeout=30)
                     else:
                         await sb.boot()
                     await sb.to(State.RUNNING)

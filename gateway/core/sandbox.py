@@ -45,6 +45,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandgate.sandbox")
 
 
+def reconnect_args() -> dict:
+    """For an agent restored from a checkpoint: the host's clock (a VM's stood
+    still) and fresh randomness (every copy of one checkpoint has the same)."""
+    return {"clock": time.time(), "entropy": os.urandom(32).hex()}
+
+
+def setup_args(env: Dict[str, str]) -> dict:
+    """Make a restored or pooled sandbox its own: its environment, new randomness."""
+    return {"env": env, "entropy": os.urandom(32).hex()}
+
+
 class Held:
     """Client messages waiting for the sandbox to run, bounded by count and bytes."""
 
@@ -216,7 +227,7 @@ class Sandbox:
         self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
         exited = asyncio.ensure_future(runtime.wait())
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
-        ready = asyncio.ensure_future(self.link.request("reconnect", {"clock": time.time()},
+        ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(),
                                                         timeout=s.kernel_start_timeout)
                                       if restore_from else self.link.ready)
         done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
@@ -235,7 +246,7 @@ class Sandbox:
             await self.teardown()
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         if not restore_from and self.record.env and not self.driver.env_at_boot:
-            await self.link.request("setup", {"env": self.record.env}, timeout=30)
+            await self.link.request("setup", setup_args(self.record.env), timeout=30)
         self.activity = "idle"
         self.record = self.record.model_copy(update={"runtime": runtime.id})
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
@@ -305,7 +316,7 @@ class Sandbox:
                     # vsock on a snapshot): the link moves to the new stream.
                     await self.link.close()
                     self.link = AgentLink(self.runtime.reader, self.runtime.writer, self._on_kernel, self._on_event)
-                    await self.link.request("reconnect", {"clock": time.time()}, timeout=30)
+                    await self.link.request("reconnect", reconnect_args(), timeout=30)
                 self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
                 raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
             await self.teardown()
