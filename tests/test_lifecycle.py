@@ -388,3 +388,71 @@ async def test_a_disk_size_is_refused_where_the_workspace_is_a_fixed_vm_disk(tmp
     svc = make(tmp_path)  # the fake, like a VM driver, keeps its workspace as a plain directory
     with pytest.raises(BadRequest, match="disk_mb cannot be set for the fake driver"):
         await svc.start(StartRequest(limits=LimitsRequest(disk_mb=64)))
+
+
+@run
+async def test_sigterm_during_a_culler_pause_finishes_it_and_stops(tmp_path):
+    from sandgate.core.culler import Culler
+
+    svc = make(tmp_path, pause_idle_timeout=0.001, cull_interval=0.01)
+    sb = await start(svc)
+    sb.last_activity -= datetime.timedelta(seconds=10)
+    drv = driver_of(svc)
+    drv.gates["checkpoint"] = asyncio.Event()
+    culler = Culler(svc.manager)
+    culler.start()
+    await drv.entered["checkpoint"].wait()  # the culler is pausing it
+    stopping = asyncio.ensure_future(culler.stop())
+    await asyncio.sleep(0)
+    assert not stopping.done()  # waits for the pause in flight instead of cutting it
+    drv.gates["checkpoint"].set()
+    await stopping
+    assert sb.state == State.PAUSED
+
+
+@run
+async def test_nothing_wakes_or_starts_while_the_gateway_suspends(tmp_path):
+    svc = make(tmp_path)
+    kept, gone = await start(svc), await start(svc)
+    c = Client(kept)
+    await c.replies([c.execute("x = 1")])
+    drv = driver_of(svc)
+    drv.gates["checkpoint"] = asyncio.Event()
+    deleting = asyncio.ensure_future(svc.delete(gone.id))  # in flight when SIGTERM comes
+    suspend = asyncio.ensure_future(svc.manager.suspend_all())
+    await drv.entered["checkpoint"].wait()
+    with pytest.raises(Unavailable, match="shutting down"):
+        await start(svc)
+    drv.gates["checkpoint"].set()
+    await asyncio.gather(suspend, deleting)
+    assert kept.state == State.PAUSED
+    with pytest.raises(Unavailable, match="shutting down"):
+        await svc.execute(kept.id, "x", 10)  # a request on a kept connection does not undo the pause
+    assert kept.state == State.PAUSED and (await svc.manager.store.get(kept.id)).state == State.PAUSED
+    assert await svc.manager.store.get(gone.id) is None  # the delete is not undone
+
+
+@run
+async def test_a_cell_running_through_a_checkpoint_shows_busy_after_it(tmp_path):
+    svc = make(tmp_path)
+    sb = await start(svc)
+    c = Client(sb)
+    drv = driver_of(svc)
+    mid = c.execute("#block long\n7")
+    await drv.at_gate["long"].wait()
+    await svc.checkpoint(sb.id)
+    assert sb.state == State.RUNNING and sb.execution_state == "busy"
+    drv.cell_gates["long"].set()
+    got = await c.replies([mid])
+    assert got[mid]["outputs"] == ["7"]
+
+
+@run
+async def test_bad_env_names_are_a_400_not_an_agent_failure(tmp_path):
+    from sandgate.core.errors import BadRequest
+
+    svc = make(tmp_path)
+    for env in ({"KERNEL_A=B": "x"}, {"KERNEL_A": "nul\0byte"}, {"": "x"}):
+        with pytest.raises(BadRequest, match="env"):
+            await svc.start(StartRequest(env=env))
+    assert svc.list() == []

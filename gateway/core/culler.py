@@ -32,23 +32,27 @@ class Culler:
         self.failures: collections.Counter = collections.Counter()  # by kind: ttl, pause, cull, pass
         self.passes = 0
         self._task: Optional[asyncio.Task] = None
+        self._stop = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        """Ends the loop after the pass in flight: a pass is never cancelled,
+        so no pause or delete is cut in half."""
+        self._stop.set()
         if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await self._task
             self._task = None
 
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.settings.cull_interval, 10))  # ttl needs a finer clock
+        while not self._stop.is_set():
+            try:  # ttl needs a finer clock than the cull interval
+                await asyncio.wait_for(self._stop.wait(), min(self.settings.cull_interval, 10))
+                return
+            except asyncio.TimeoutError:
+                pass
             try:
                 await self.run_once()
             except Exception:
@@ -59,6 +63,8 @@ class Culler:
         self.passes += 1
         now = utcnow()
         for sb in list(self.manager.sandboxes.values()):
+            if self._stop.is_set():
+                return
             if sb.lock.locked():
                 continue  # starting, checkpointing, pausing...: its clock starts again after
             kind = "ttl"
@@ -85,7 +91,7 @@ class Culler:
         after = self.settings.pause_idle_timeout
         # A sandbox paused in memory still holds it: idle long enough, it goes to disk too.
         idle_kernel = sb.state in (State.RUNNING, State.FROZEN) and sb.activity == "idle"
-        if not (after and idle_kernel and idle > after and not sb.lock.locked()):
+        if not (after and idle_kernel and idle > after):
             return False
         log.info("pausing sandbox %s: idle %.0f s", sb.id, idle)
         await sb.pause("disk")

@@ -28,7 +28,8 @@ from . import states
 from .errors import LimitReached, NotFound, Unavailable
 from .pool import WarmPool
 from .record import SandboxRecord
-from .sandbox import Sandbox, setup_args
+from .messages import utcnow
+from .sandbox import Sandbox
 from .states import State
 
 log = logging.getLogger("sandgate.manager")
@@ -78,6 +79,8 @@ class SandboxManager:
                     checkpoint: Optional[Checkpoint] = None, owner: str = "") -> Sandbox:
         """Start a sandbox cold, from the warm pool, from the template, or
         from a checkpoint (files and running state). Arguments are validated."""
+        if self.stopping:
+            raise Unavailable("the gateway is shutting down")
         if len(self.sandboxes) + self._starting >= self.settings.max_kernels:
             raise LimitReached(f"Maximum number of sandboxes ({self.settings.max_kernels}) reached")
         rec = SandboxRecord(id=str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
@@ -98,7 +101,9 @@ class SandboxManager:
                 await sb.ws.rename(rec.id)
                 sb.runtime.spec.workspace = sb.workspace
                 sb.fanout.clear()
-                await sb.link.request("setup", setup_args(env), timeout=30)
+                sb.last_activity = utcnow()  # its time in the pool is not idle time
+                await sb.setup(env)
+                log.info("sandbox %s: running (taken from the pool as %s)", rec.id, pooled.id)
                 self.sandboxes[sb.id] = sb
                 sb._stored = State.STARTING  # not in the store yet: put below
                 await self.store.put(sb.record)
@@ -117,7 +122,7 @@ class SandboxManager:
                         how = f"from checkpoint {checkpoint.id}"
                         await sb.fill_workspace(checkpoint)
                         await sb.boot(restore_from=self.checkpoints.state_dir(checkpoint.id))
-                        await sb.link.request("setup", setup_args(env), timeout=30)
+                        await sb.setup(env)
                     else:
                         await sb.boot()
                     await sb.to(State.RUNNING)
@@ -215,10 +220,16 @@ class SandboxManager:
             nonlocal done
             async with gate:
                 t0 = time.monotonic()
+                if sb.state == State.DELETED or sb.id not in self.sandboxes:
+                    done += 1
+                    return  # deleted by a request still in flight
                 try:
-                    await sb.pause("disk")
+                    await sb.pause("disk", shutdown=True)
                     outcome = f"paused in {time.monotonic() - t0:.1f} s"
                 except Exception as e:
+                    if sb.state == State.DELETED:
+                        done += 1
+                        return  # deleted while it waited for the pause: nothing to keep
                     outcome = f"could not be paused ({e}); " + (
                         f"it will resume from checkpoint {sb.record.head}" if sb.record.head else "it is lost")
                     if sb.state != State.DEAD:
@@ -229,7 +240,7 @@ class SandboxManager:
                 log.info("shutdown: %d/%d: sandbox %s %s", done, total, sb.id, outcome)
 
         await asyncio.gather(*(one(sb) for sb in running))
-        for sb in self.sandboxes.values():
+        for sb in list(self.sandboxes.values()):
             await sb.detach_runtime()
 
     async def delete_all(self) -> None:

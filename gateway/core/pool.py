@@ -109,7 +109,7 @@ class WarmPool:
         return None
 
     def refill(self, driver: str) -> None:
-        if not self.enabled(driver) or driver in self._refilling:
+        if not self.enabled(driver) or driver in self._refilling or self.manager.stopping:
             return
         self._refilling.add(driver)
         task = asyncio.ensure_future(self._refill(driver))

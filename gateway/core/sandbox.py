@@ -107,6 +107,7 @@ class Sandbox:
         self.activity = "starting"  # the kernel's own execution_state: starting, idle, busy, restarting
         self.last_activity = utcnow()
         self.lock = asyncio.Lock()  # one lifecycle operation at a time
+        self._saving = asyncio.Lock()  # one store write at a time
         self.ws = Workspace(s.home / "workspaces", record.id, record.limits.disk_mb, sandbox_uid(),
                             disk=manager.drivers[record.driver].shares_workspace)
         self.persistent = True  # False for the warm pool and templates: no record in the store
@@ -161,22 +162,24 @@ class Sandbox:
 
     async def save(self) -> None:
         """Write the record; compare-and-set against the state last written."""
-        rec = self.record
         if not self.persistent:
             return
-        if rec.state == State.DELETED:
-            await self.manager.store.delete(rec.id)
-            return
-        if not await self.manager.store.compare_and_set(rec, self._stored):
-            current = await self.manager.store.get(rec.id)
-            if current is None or current.state != rec.state:
+        async with self._saving:  # one write at a time, each of the newest record
+            rec = self.record
+            if rec.state == State.DELETED:
+                await self.manager.store.delete(rec.id)
+                return
+            if not await self.manager.store.compare_and_set(rec, self._stored):
                 # Another writer moved it: ours is the live copy on this node; say so loudly.
-                log.error("sandbox %s: store held %s where %s was expected; overwriting with %s", self.id,
+                current = await self.manager.store.get(rec.id)
+                log.error("sandbox %s: store held %s where %s was expected; writing %s", self.id,
                           current.state if current else "nothing", self._stored, rec.state)
-            self.record = await self.manager.store.put(rec)
-        else:
-            self.record = rec.model_copy(update={"version": rec.version + 1})
-        self._stored = rec.state
+                written = await self.manager.store.put(rec)
+            else:
+                written = rec.model_copy(update={"version": rec.version + 1})
+            self._stored = rec.state
+            if self.record is rec:  # not changed meanwhile: the version is the store's
+                self.record = written
 
     async def to(self, new: State, **changes) -> None:
         self._set(new, **changes)
@@ -208,8 +211,21 @@ class Sandbox:
 
     async def fill_workspace(self, cp: Checkpoint) -> None:
         """The checkpoint's files into this sandbox's (new, empty) workspace."""
-        await self.ws.create()
-        await self.manager.checkpoints.materialize_async(cp, self.workspace, self.ws.uid if os.geteuid() == 0 else None)
+        try:
+            await self.ws.create()
+            await self.manager.checkpoints.materialize_async(cp, self.workspace,
+                                                             self.ws.uid if os.geteuid() == 0 else None)
+        except (OSError, WorkspaceError) as e:
+            raise Unavailable(f"sandbox {self.id}: could not restore checkpoint {cp.id}'s files: {e}") from None
+
+    async def setup(self, env: Dict[str, str]) -> None:
+        """Make a restored, pooled or VM sandbox its own (env, randomness); the
+        runtime is torn down if its agent refuses."""
+        try:
+            await self.link.request("setup", setup_args(env), timeout=30)
+        except AgentError as e:
+            await self.teardown()
+            raise Unavailable(f"sandbox {self.id}: its agent could not take its environment: {e}") from None
 
     async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
         """Start the runtime, cold or from a checkpoint image (``consume``: the
@@ -246,8 +262,9 @@ class Sandbox:
             await self.teardown()
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         if not restore_from and self.record.env and not self.driver.env_at_boot:
-            await self.link.request("setup", setup_args(self.record.env), timeout=30)
-        self.activity = "idle"
+            await self.setup(self.record.env)
+        # A cell that was running at the checkpoint runs on after the restore.
+        self.activity = "busy" if self.pending else "idle"
         self.record = self.record.model_copy(update={"runtime": runtime.id})
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
 
@@ -281,11 +298,14 @@ class Sandbox:
             log.error("sandbox %s: %s; stopping its runtime", self.id, why)
         else:
             why = runtime.failure()
-        self._watch = None  # teardown must not cancel this task: it is this task
-        await self.teardown()
-        if self.state not in (State.DEAD, State.DELETED):
-            await self.to(State.DEAD, reason=why)
-            self.fanout.broadcast("iopub", status_message("dead"))
+        async with self.lock:  # after any lifecycle operation in flight, which may have replaced the runtime
+            if self.runtime is not runtime:
+                return
+            self._watch = None  # teardown must not cancel this task: it is this task
+            await self.teardown()
+            if self.state not in (State.DEAD, State.DELETED):
+                await self.to(State.DEAD, reason=why)
+                self.fanout.broadcast("iopub", status_message("dead"))
 
     async def _stop_into(self, image_dir: Path) -> None:
         """Checkpoint the running runtime into ``image_dir``; it is stopped after.
@@ -318,8 +338,12 @@ class Sandbox:
                     self.link = AgentLink(self.runtime.reader, self.runtime.writer, self._on_kernel, self._on_event)
                     await self.link.request("reconnect", reconnect_args(), timeout=30)
                 self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
                 raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
             await self.teardown()
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise _Stopped(f"checkpoint failed after the sandbox stopped: {e}") from None
         old = self.link
         try:  # frames the agent wrote before it froze are still in the pipe
@@ -342,18 +366,17 @@ class Sandbox:
             raise
 
     # -- lifecycle operations ------------------------------------------------
-    async def _run_again(self) -> None:
+    async def _run_again(self, shutdown: bool = False) -> None:
         """Called with the lock held: make sure it is running (resume a paused
-        or frozen one); Conflict if it cannot serve, naming the state."""
+        or frozen one); Conflict if it cannot serve, naming the state. Once the
+        gateway is shutting down nothing is woken (its pause would be undone)."""
+        if self.manager.stopping and not shutdown:
+            raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
         if self.state in states.WAKES:
             await self._resume()
         if self.state != State.RUNNING:
             raise Conflict(f"sandbox {self.id} is {self.state}"
                            + (f": {self.record.reason}" if self.record.reason else ""), state=self.state.value)
-
-    async def ensure_running(self) -> None:
-        async with self.lock:
-            await self._run_again()
 
     async def checkpoint(self, name: str = "", resume: bool = True) -> Checkpoint:
         async with self.lock:
@@ -380,6 +403,8 @@ class Sandbox:
         except BaseException as e:
             await self._carry_on(image, consume=True)  # the sandbox carries on regardless
             store.discard(cid)
+            if isinstance(e, asyncio.CancelledError):
+                raise
             if isinstance(e, SnapshotTooLarge):
                 raise LimitReached(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
@@ -402,7 +427,7 @@ class Sandbox:
             raise Unavailable(self.record.reason) from None
         await self.to(State.RUNNING, reason=None)
 
-    async def pause(self, mode: str = "disk") -> None:
+    async def pause(self, mode: str = "disk", shutdown: bool = False) -> None:
         """``disk``: checkpoint and stop, memory freed. ``memory``: the driver
         freezes the runtime where it is; resuming takes milliseconds."""
         async with self.lock:
@@ -410,7 +435,7 @@ class Sandbox:
                 return
             if self.state == State.FROZEN:  # to disk from memory: thawed first, then checkpointed
                 await self._resume()
-            await self._run_again()
+            await self._run_again(shutdown)
             await self._pause(mode)
 
     async def _pause(self, mode: str) -> None:
@@ -431,6 +456,8 @@ class Sandbox:
 
     async def resume(self) -> None:
         async with self.lock:
+            if self.manager.stopping:
+                raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
             if self.state in states.WAKES:
                 await self._resume()
             elif self.state == State.DEAD:
@@ -530,12 +557,17 @@ class Sandbox:
     async def delete(self) -> None:
         async with self.lock:
             await self.teardown()
-            await self.ws.delete()
-            shutil.rmtree(self.manager.settings.home / "sandboxes" / self.id, ignore_errors=True)
-            if self.record.paused_image:
-                shutil.rmtree(self.record.paused_image, ignore_errors=True)
-            if self.state != State.DELETED:
-                await self.to(State.DELETED)
+            try:
+                if self.state != State.DELETED:
+                    await self.to(State.DELETED)
+            finally:  # files next: a failure here is logged, and the next start sweeps what is left
+                try:
+                    await self.ws.delete()
+                except WorkspaceError as e:
+                    log.warning("sandbox %s: workspace left behind: %s", self.id, e)
+                home = self.manager.settings.home
+                for leftover in (home / "sandboxes" / self.id, home / "paused" / self.id):
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     async def detach_runtime(self) -> None:
         """The gateway exits and leaves this sandbox as it is (dead or paused)."""
@@ -577,8 +609,11 @@ class Sandbox:
     def _send_held(self) -> None:
         if not self.held or not self.link:
             return
-        for channel, parts in self.held.take():
-            self.link.send_kernel(channel, parts)
+        try:
+            for channel, parts in self.held.take():
+                self.link.send_kernel(channel, parts)
+        except AgentError:
+            pass  # the stream just broke: the watcher marks it dead and answers what is pending
 
     def _fail_waiting(self, why: str, ename: str = "DeadKernelError") -> None:
         self.held.take()

@@ -9,6 +9,7 @@ which each front end maps once (api/base.py for HTTP).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +20,7 @@ from ..config import Settings
 from ..drivers.base import Limits
 from .errors import BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, SandgateError, Unavailable
 from .manager import SandboxManager
+from .messages import utcnow
 from .sandbox import Sandbox
 from .states import State
 
@@ -26,6 +28,7 @@ log = logging.getLogger("sandgate.service")
 
 
 # -- request models (the edge validates; the core trusts) ---------------------
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_TTL = 10 * 365 * 86400  # beyond any ceiling an operator sets; keeps expiry a real date
 class LimitsRequest(BaseModel):
     """Any subset; the rest are the gateway's defaults."""
@@ -145,6 +148,9 @@ class SandboxService:
     def kernel_env(self, requested: Dict[str, str]) -> Dict[str, str]:
         """Only KERNEL_* and explicitly allowed names reach a sandbox."""
         allow = set(self.settings.env_allow)
+        for k, v in requested.items():
+            if not ENV_NAME.fullmatch(k) or "\0" in v:
+                raise BadRequest(f"env: {k!r} is not a variable name, or its value holds a NUL byte")
         return {k: v for k, v in requested.items() if k.startswith("KERNEL_") or k in allow}
 
     async def start(self, req: StartRequest) -> Sandbox:
@@ -216,11 +222,13 @@ class SandboxService:
     # -- files --------------------------------------------------------------------------
     async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b""):
         sb = self.get(sandbox_id)
-        await sb.ensure_running()
-        try:
-            return await sb.link.request(op, args, payload)
-        except AgentError as e:
-            raise file_error(e, args.get("path", "")) from None
+        async with sb.lock:  # no pause or checkpoint takes the link away mid-request
+            await sb._run_again()
+            sb.last_activity = utcnow()  # file work is use: not idle
+            try:
+                return await sb.link.request(op, args, payload)
+            except AgentError as e:
+                raise file_error(e, args.get("path", "")) from None
 
     async def list_files(self, sandbox_id: str, path: str) -> dict:
         return (await self._agent(sandbox_id, "file_list", {"path": path}))[0]
