@@ -564,7 +564,7 @@ class Agent:
         self.ready.set()
         return {"pid": self.kernel.proc.pid, "language_info": info.get("language_info", {})}
 
-    async def own_request(self, msg_type: str, content: dict, timeout: float) -> dict:
+    async def own_request(self, msg_type: str, content: dict, timeout: float, channel: str = "shell") -> dict:
         """A request of the agent's own; its reply and output are not forwarded.
         Returns once the reply has come *and* iopub has carried its output."""
         msg_id = OWN.decode() + uuid.uuid4().hex
@@ -575,7 +575,7 @@ class Agent:
         msg["header"]["msg_id"] = msg_id
         parts = self.kernel.session.serialize(msg)[2:]  # drop DELIM, signature
         try:
-            await self.kernel.send("shell", parts)
+            await self.kernel.send(channel, parts)
             await asyncio.wait_for(asyncio.gather(reply, published), timeout)
             return reply.result()
         finally:
@@ -590,7 +590,9 @@ class Agent:
             if self.kernel.proc.returncode is not None:
                 raise RuntimeError(f"kernel exited with status {self.kernel.proc.returncode} during start")
             try:
-                return await self.own_request("kernel_info_request", {}, 1.0)
+                # On control: shell waits behind a cell that is running (one the
+                # checkpoint caught mid-way runs on after a restore).
+                return await self.own_request("kernel_info_request", {}, 1.0, channel="control")
             except asyncio.TimeoutError:
                 pass
         raise RuntimeError("kernel did not answer kernel_info within the deadline")
@@ -656,7 +658,7 @@ class Agent:
             # A reply to (or output of) the agent's own request.
             waiter = self.waiters.get(parent_id)
             if waiter:
-                fut = waiter[0] if channel == "shell" else waiter[1]
+                fut = waiter[0] if channel in ("shell", "control") else waiter[1]
                 if not fut.done():
                     fut.set_result(content)
             return None

@@ -166,3 +166,33 @@ def test_an_unpausable_sandbox_at_sigterm_is_reported_not_silently_dropped(home,
         assert info["state"] == "dead" and info["reason"], info
     finally:
         g2.stop()
+
+
+def test_a_long_cell_runs_through_a_checkpoint_and_its_reply_arrives(home, tmp_path):
+    """The restored agent checks its kernel on the control channel: on shell it
+    would wait behind this cell, give up after 5 s and lose the cell's reply."""
+    g = Gateway(home, tmp_path)
+    try:
+        kid = g.start_kernel()
+        c = g.connect(kid)
+        mid = c.send("execute_request", {"code": "import time\nfor i in range(15): time.sleep(1)\nprint('finished')",
+                                         "silent": False, "store_history": True, "user_expressions": {},
+                                         "allow_stdin": False})
+        wait_for(lambda: g.request("GET", f"/api/kernels/{kid}").json()["execution_state"] == "busy", 30, 0.1)
+        r = g.request("POST", f"/api/sandboxes/{kid}/checkpoints", {})
+        assert r.status == 201, r.body
+        assert g.request("GET", f"/api/kernels/{kid}").json()["execution_state"] == "busy"
+        out, reply = "", None
+        while reply is None:
+            m = c.recv(120)
+            if m["parent_header"].get("msg_id") != mid:
+                continue
+            if m["msg_type"] == "stream":
+                out += m["content"]["text"]
+            elif m["msg_type"] == "execute_reply":
+                reply = m["content"]
+        assert reply["status"] == "ok" and out == "finished\n"
+        assert c.execute("1 + 1")["results"][0]["text/plain"] == "2"
+        c.close()
+    finally:
+        g.stop()
