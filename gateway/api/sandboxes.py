@@ -13,20 +13,9 @@ from typing import Dict, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
-from ..core.service import MAX_TTL, LimitsRequest, SandboxModel, StartRequest, sandbox_model
+from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from .base import APIHandler
 from .jupyter import UUID
-
-
-class SandboxCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
-    env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
-    labels: Dict[str, str] = {}
-    limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
-    ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
-                                 description="seconds until the sandbox is deleted")
-    checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
 
 
 class ExecuteRequest(BaseModel):
@@ -81,7 +70,7 @@ class SandboxesHandler(APIHandler):
 
     async def post(self):
         body = self.body(SandboxCreate)
-        sb = await self.service.start(StartRequest(**body.model_dump(exclude={"limits"}), limits=body.limits))
+        sb = await self.service.start(StartRequest(**dict(body)))
         self.set_header("Location", f"/api/sandboxes/{sb.id}")
         self.reply(sandbox_model(sb), 201)
 

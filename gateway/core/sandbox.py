@@ -190,6 +190,12 @@ class Sandbox:
         self._set(new, **changes)
         asyncio.ensure_future(self.save())
 
+    def _conflict(self, hint: str = "") -> Conflict:
+        """This state cannot serve the request: 409, naming the state and why."""
+        why = self.record.reason or ("no runtime" if self.state != State.RUNNING else "")
+        return Conflict(f"sandbox {self.id} is {self.state}" + (f": {why}" if why else "") + hint,
+                        state=self.state.value)
+
     def model(self) -> dict:
         """The Jupyter kernel model."""
         m = {"id": self.id, "name": self.record.kernel_name, "last_activity": iso(self.last_activity),
@@ -375,8 +381,7 @@ class Sandbox:
         if self.state in states.WAKES:
             await self._resume()
         if self.state != State.RUNNING:
-            raise Conflict(f"sandbox {self.id} is {self.state}"
-                           + (f": {self.record.reason}" if self.record.reason else ""), state=self.state.value)
+            raise self._conflict()
 
     async def checkpoint(self, name: str = "", resume: bool = True) -> Checkpoint:
         async with self.lock:
@@ -461,8 +466,7 @@ class Sandbox:
             if self.state in states.WAKES:
                 await self._resume()
             elif self.state == State.DEAD:
-                raise Conflict(f"sandbox {self.id} is dead: {self.record.reason or 'no runtime'}; "
-                               "restart it instead", state=self.state.value)
+                raise self._conflict("; restart it instead")
 
     async def _resume(self) -> None:
         r = self.record
@@ -520,8 +524,7 @@ class Sandbox:
         if self.state in states.WAKES:
             return  # a paused kernel runs nothing
         if self.state != State.RUNNING or not self.link:
-            raise Conflict(f"sandbox {self.id} is {self.state}: {self.record.reason or 'no runtime'}",
-                           state=self.state.value)
+            raise self._conflict()
         try:
             await self.link.request("interrupt", timeout=10)
         except AgentError as e:
@@ -584,7 +587,7 @@ class Sandbox:
         """A client's message for the kernel: sent now, held, or refused (Conflict)."""
         st = self.state
         if st in (State.DEAD, State.DELETED):
-            raise Conflict(f"sandbox {self.id} is {st}: {self.record.reason or 'no runtime'}", state=st.value)
+            raise self._conflict()
         self.last_activity = utcnow()
         if header.get("msg_type") == "execute_request":
             self.pending[header.get("msg_id")] = header

@@ -40,16 +40,23 @@ class LimitsRequest(BaseModel):
     disk_mb: Optional[int] = Field(None, ge=16)
 
 
-class StartRequest(BaseModel):
+class SandboxCreate(BaseModel):
+    """The body of POST /api/sandboxes (and what other front ends ask for)."""
+
     model_config = ConfigDict(extra="forbid")
-    kernel_name: Optional[str] = Field(None, description="kernelspec; the default when omitted")
     driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
     labels: Dict[str, str] = {}
-    limits: Optional[LimitsRequest] = None
+    limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
     ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
                                  description="seconds until the sandbox is deleted")
     checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
+
+
+class StartRequest(SandboxCreate):
+    """What the service starts: a create body, plus what the front end knows (kernelspec, owner)."""
+
+    kernel_name: Optional[str] = Field(None, description="kernelspec; the default when omitted")
     owner: str = ""
 
 
