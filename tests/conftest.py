@@ -196,6 +196,22 @@ def gateway(home, tmp_path_factory):
     gw.stop()
 
 
+DRIVERS = ["gvisor", "qemu"]
+
+
+@pytest.fixture(scope="module", params=DRIVERS)
+def driver_gw(request, home, tmp_path_factory):
+    """A gateway per driver (cold starts, so a boot is a boot), ``.driver`` naming it."""
+    if request.param == "qemu":
+        from sandgate_images import vm
+
+        vm.build(home)
+    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
+    g.driver = request.param
+    yield g
+    g.stop()
+
+
 @pytest.fixture(scope="module")
 def kernel(gateway):
     kid = gateway.start_kernel()

@@ -12,12 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import Gateway, wait_for
+from conftest import wait_for
 from sandgate.drivers import qemu
 from sandgate.workspace import sandbox_uid
-
-DRIVERS = ["gvisor", "qemu"]
-
 
 def ex(gw, sid, code, timeout=120):
     r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout})
@@ -40,16 +37,9 @@ def host_processes(kernel_id):
     return found
 
 
-@pytest.fixture(scope="module", params=DRIVERS)
-def gw(request, home, tmp_path_factory):
-    if request.param == "qemu":
-        from sandgate_images import vm
-
-        vm.build(home)
-    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
-    g.driver = request.param
-    yield g
-    g.stop()
+@pytest.fixture(scope="module")
+def gw(driver_gw):
+    return driver_gw
 
 
 @pytest.fixture(scope="module")

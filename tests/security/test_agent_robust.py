@@ -15,32 +15,10 @@ import time
 
 import pytest
 
-from conftest import Gateway, wait_for
+from conftest import wait_for
 from sandgate.agent_link import AgentLink
 from sandgate_agent import protocol as P
 
-DRIVERS = ["gvisor", "qemu"]
-
-
-@pytest.fixture(scope="module", params=DRIVERS)
-def gw(request, home, tmp_path_factory):
-    if request.param == "qemu":
-        from sandgate_images import vm
-
-        vm.build(home)
-    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
-    g.driver = request.param
-    yield g
-    g.stop()
-
-
-@pytest.fixture(scope="module")
-def sb(gw):
-    r = gw.request("POST", "/api/sandboxes", {"driver": gw.driver})
-    assert r.status == 201, r.body
-    sid = r.json()["id"]
-    yield sid
-    gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
 def ex(gw, sid, code, timeout=60):

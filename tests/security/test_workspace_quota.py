@@ -8,7 +8,6 @@ Driver level (GVisorDriver with a Workspace as the spec's workspace) until the
 core creates its workspaces with gateway/workspace.py."""
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -17,11 +16,9 @@ import uuid
 import pytest
 
 from conftest import wait_for
-from sandgate.agent_link import AgentLink
-from sandgate.drivers.base import Limits, SandboxSpec
-from sandgate.drivers.gvisor import GVisorDriver, runsc_path
+from sandgate.drivers.gvisor import runsc_path
 from sandgate.workspace import Workspace, quota_supported, reap_mounts, sandbox_uid
-from sandgate_images import rootfs as images
+from security.direct import py, sandbox
 
 pytestmark = [
     pytest.mark.skipif(not runsc_path(), reason="runsc is not installed"),
@@ -29,33 +26,6 @@ pytestmark = [
 ]
 
 QUOTA_MB = 256
-
-
-@contextlib.asynccontextmanager
-async def sandbox(home, tmp_path, ws):
-    """A gVisor sandbox whose /workspace is ``ws``, and the link to its agent."""
-    spec = SandboxSpec(id=ws.id, rootfs=images.image_dir(home) / "rootfs", agent_dir=images.agent_bundle(home),
-                       workspace=ws.path, state_dir=tmp_path / "sandboxes" / ws.id, limits=Limits(memory_mb=512))
-    driver = GVisorDriver(str(tmp_path / "runtime"))
-    sb = link = None
-    try:
-        sb = await driver.create(spec)
-        link = AgentLink(sb.reader, sb.writer, lambda channel, parts: None, lambda event: None)
-        await asyncio.wait_for(link.ready, 120)
-        yield link
-    finally:
-        if link:
-            await link.close()
-        if sb:
-            await sb.destroy()
-
-
-async def py(link, code: str, timeout=240) -> str:
-    """Run Python as the sandbox user (what a cell runs as); its stdout and stderr."""
-    result, out = await link.request("exec", {"argv": ["python3", "-c", code], "timeout": timeout},
-                                     timeout=timeout + 30)
-    assert result["exit_code"] == 0, out.decode(errors="replace")
-    return out.decode(errors="replace")
 
 
 FILL = """
@@ -103,11 +73,11 @@ def test_filling_the_workspace_stops_at_its_quota_and_spares_the_host(home, tmp_
         try:
             async with sandbox(home, tmp_path, ws) as link:
                 host_free = free_bytes(root)
-                fill = json.loads(await py(link, FILL))
+                fill = json.loads(await py(link, FILL, timeout=240))
                 host_used = host_free - free_bytes(root)
                 image_bytes = os.stat(ws.image).st_blocks * 512
                 usage = ws.usage()
-                after = json.loads(await py(link, AFTER))
+                after = json.loads(await py(link, AFTER, timeout=240))
                 ping, _ = await link.request("ping")
             return fill, host_used, image_bytes, usage, after, ping
         finally:
