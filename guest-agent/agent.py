@@ -876,17 +876,24 @@ async def main_async(args: argparse.Namespace) -> None:
         log(f"{why}; stopping")
         await agent.kernel.kill()
         return
-    if kind == "serial":  # the device persists; reopen after each hangup
+    if kind == "serial":  # the device persists; reopen after each hangup (a restore, a new gateway process)
+        loop = asyncio.get_running_loop()
         while True:
-            fd = os.open(where, os.O_RDWR | os.O_NOCTTY)
+            try:
+                fd = os.open(where, os.O_RDWR | os.O_NOCTTY)
+            except OSError as e:  # the agent is the VM's init: an exception here would panic the guest
+                log(f"cannot open {where}: {e}; retrying")
+                await asyncio.sleep(0.2)
+                continue
             reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)
-            loop = asyncio.get_running_loop()
-            f = os.fdopen(fd, "r+b", 0)
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), f)
+            rt, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
             t, proto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(os.dup(fd), "wb", 0))
             writer = asyncio.StreamWriter(t, proto, reader, loop)
             writer.write(ready)
             await agent.serve(reader, writer)
+            # Both descriptors closed: the port takes one opener at a time (EBUSY otherwise).
+            writer.close()
+            rt.close()
             await asyncio.sleep(0.2)
 
     async def on_connect(reader, writer):

@@ -476,5 +476,5 @@ class FakeDriver(Driver):
         await self._step("thaw")
         self._alive(sandbox).agent.thawed.set()
 
-    async def reap(self) -> int:
+    async def reap(self, keep=()) -> int:
         return 0

@@ -5,15 +5,13 @@ TCG), but none depends on another: the ``sb`` fixture hands each test a live
 sandbox in the state it starts from (``x = 41``, ``data/in.txt``), making a new
 one when a test before it deleted or killed it, so any test runs alone (-k)."""
 
-import tempfile
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import wait_for
-from sandgate.drivers import qemu
+from sandgate.drivers.base import socket_dir
 from sandgate.workspace import sandbox_uid
 
 def ex(gw, sid, code, timeout=120):
@@ -222,9 +220,12 @@ def test_memory_limit_holds(gw):
 
 
 def test_delete_leaves_nothing_behind(gw, sb):
+    runtime = gw.request("GET", f"/api/sandboxes/{sb}").json()["runtime_id"]
+    handles = [socket_dir(gw.home, runtime, kind) for kind in "gq"]
+    assert any(d.is_dir() for d in handles)
     assert gw.request("DELETE", f"/api/sandboxes/{sb}").status == 204
     assert gw.request("GET", f"/api/sandboxes/{sb}").status == 404
     assert host_processes(sb) == []
     assert not (gw.home / "sandboxes" / sb).exists() and not (gw.home / "workspaces" / sb).exists()
-    # A VM's QMP and serial sockets live outside the home (a unix socket path is short): gone too.
-    assert not list(Path(tempfile.gettempdir()).glob(f"sgq-*-{qemu._tag(gw.home / 'sandboxes' / sb)}"))
+    # The runtime's sockets and handles live outside the home (a unix socket path is short): gone too.
+    assert not any(d.exists() for d in handles)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Gateway, wait_for
 from sandgate.drivers import qemu
-from sandgate.drivers.base import Limits, SandboxError, SandboxSpec
+from sandgate.drivers.base import Limits, SandboxError, SandboxSpec, socket_dir, tag
 from sandgate.drivers.qemu import QemuDriver
 
 
@@ -144,7 +144,7 @@ def test_a_paused_vm_whose_overlay_is_gone_reports_why(vmgw):
         info = vmgw.request("GET", f"/api/sandboxes/{sid}").json()
         assert info["state"] == "paused" and "root.qcow2 missing" in info["reason"], info
         assert qemu_processes(vmgw) == [] and not list(Path(tempfile.gettempdir()).glob(
-            f"sgq-*-{qemu._tag(vmgw.home / 'sandboxes' / sid)}"))  # no VM, no sockets
+            f"sgq-{tag(str(vmgw.home))}-*"))  # no VM, no sockets
     assert (vmgw.home / "paused" / sid / "workspace.qcow2").exists()  # what is left of the image stays
     assert vmgw.request("GET", "/api").status == 200
     assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
@@ -264,19 +264,29 @@ def test_a_guest_writing_garbage_on_the_agent_stream_is_stopped(image, home, tmp
         g.stop()
 
 
-def test_vms_left_by_a_killed_gateway_are_reaped(image, home, tmp_path):
+def test_vms_left_by_a_killed_gateway_are_adopted_or_else_reaped(image, home, tmp_path):
     g = vm_gateway(home, tmp_path)
     own = g.home
-    assert g.request("POST", "/api/sandboxes", {"driver": "qemu"}).status == 201
-    left = qemu_processes(g)
-    assert len(left) == 1
+    kept, lost = (g.request("POST", "/api/sandboxes", {"driver": "qemu"}).json() for _ in range(2))
+    by_pid = {p.pid: p for p in qemu_processes(g)}
+    assert len(by_pid) == 2
     g.proc.kill()
     g.proc.wait()
-    assert left[0].is_running()  # the VM outlived its gateway
+    assert all(p.is_running() for p in by_pid.values())  # the VMs outlived their gateway
+    # One VM's handle is gone: the next gateway cannot adopt it, so it kills it.
+    handle = socket_dir(own, lost["runtime_id"], "q") / "handle.json"
+    lost_pid = json.loads(handle.read_text())["pid"]
+    handle.unlink()
     g2 = Gateway(home, tmp_path, own_home=own, env={"SANDGATE_WARM_START": "false"})
     try:
-        left[0].wait(30)
-        assert not left[0].is_running()
+        by_pid[lost_pid].wait(30)
+        assert [p.pid for p in qemu_processes(g2)] == [p for p in by_pid if p != lost_pid]
+        assert g2.request("GET", f"/api/sandboxes/{kept['id']}").json()["state"] == "running"
+        dead = g2.request("GET", f"/api/sandboxes/{lost['id']}").json()
+        assert dead["state"] == "dead" and "no checkpoint" in dead["reason"], dead
+        assert not socket_dir(own, lost["runtime_id"], "q").exists()
+        assert g2.request("DELETE", f"/api/sandboxes/{kept['id']}").status == 204
+        assert qemu_processes(g2) == []
     finally:
         g2.stop()
 

@@ -66,21 +66,79 @@ def test_sigterm_pauses_everything_and_the_next_gateway_resumes_it(driver, home,
         g2.stop()
 
 
-def test_after_sigkill_a_sandbox_resumes_from_its_newest_checkpoint_or_is_dead(home, tmp_path):
+def kill9(g: Gateway) -> None:
+    g.proc.send_signal(signal.SIGKILL)
+    g.proc.wait()
+    g.log.close()
+
+
+def runtimes(g: Gateway, driver: str) -> set:
+    """The runtimes of this gateway's home that are alive on the host."""
+    if driver == "gvisor":
+        out = subprocess.run(["runsc", "--root", str(g.home / "runtime" / "gvisor"), "list", "-quiet"],
+                             capture_output=True, text=True).stdout
+        return {line for line in out.split() if line.startswith("sg-")}
+    out = subprocess.run(["pgrep", "-af", "qemu-system-x86_64"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if str(g.home) in line or "sgq-" in line}
+
+
+@pytest.mark.parametrize("driver", ["gvisor", "qemu"])
+def test_after_sigkill_running_and_frozen_sandboxes_are_adopted_with_their_state(driver, home, tmp_path):
+    if driver == "qemu":
+        from sandgate_images import vm
+
+        vm.build(home)
+    env = {**KEEP, "SANDGATE_WARM_START": "false"}
+    g = Gateway(home, tmp_path, env=env)
+    running = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+    ex(g, running, "x = 41")
+    frozen = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+    ex(g, frozen, "y = 'in memory'")
+    assert g.request("POST", f"/api/sandboxes/{frozen}/pause", {"mode": "memory"}).json()["state"] == "frozen"
+    before = {s["id"]: s["runtime_id"] for s in g.request("GET", "/api/sandboxes").json()}
+    kill9(g)  # no checkpoint anywhere: only the live runtimes hold x and y
+    g2 = again(g, home, tmp_path, env=env)
+    try:
+        listed = {s["id"]: s for s in g2.request("GET", "/api/sandboxes").json()}
+        assert listed[running]["state"] == "running" and listed[frozen]["state"] == "frozen", listed
+        assert {i: s["runtime_id"] for i, s in listed.items()} == before  # the same runtimes, not new ones
+        assert "reason" not in listed[running] or not listed[running]["reason"]
+        assert f"sandbox {running}: adopted its running runtime" in g2.log_text()
+        c = g2.connect(running)  # over the Jupyter websocket, as before the crash
+        assert c.execute("x + 1")["results"][0]["text/plain"] == "42"
+        c.close()
+        assert g2.request("POST", f"/api/sandboxes/{frozen}/resume").json()["state"] == "running"
+        assert ex(g2, frozen, "print(y)")["stdout"] == "in memory\n"
+        # Adopted runtimes are this gateway's like any other: a checkpoint and a delete work.
+        assert g2.request("POST", f"/api/sandboxes/{running}/checkpoints", {}).status == 201
+        assert ex(g2, running, "print(x)")["stdout"] == "41\n"
+        for sid in (running, frozen):
+            assert g2.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+        wait_for(lambda: not runtimes(g2, driver), timeout=30)
+    finally:
+        g2.stop()
+
+
+def test_after_sigkill_with_its_runtime_gone_a_sandbox_resumes_from_its_newest_checkpoint_or_is_dead(home, tmp_path):
     g = Gateway(home, tmp_path, env=KEEP)
     saved = g.request("POST", "/api/sandboxes", {}).json()["id"]
     ex(g, saved, "x = 41\nopen('kept.txt', 'w').write('files too')")
     cp = g.request("POST", f"/api/sandboxes/{saved}/checkpoints", {"name": "before the crash"}).json()["id"]
-    ex(g, saved, "x = 99")  # not in any checkpoint: lost with the gateway
+    ex(g, saved, "x = 99")  # not in any checkpoint: lost with the runtime
     unsaved = g.request("POST", "/api/sandboxes", {}).json()["id"]
-    g.proc.send_signal(signal.SIGKILL)
-    g.proc.wait()
-    g.log.close()
+    kill9(g)
+    # The host lost the runtimes too (a reboot, an OOM killer): nothing to adopt.
+    root = str(g.home / "runtime" / "gvisor")
+    for rt in runtimes(g, "gvisor"):
+        subprocess.run(["runsc", "--root", root, "kill", rt, "KILL"], check=False)
+    wait_for(lambda: not any(subprocess.run(["runsc", "--root", root, "state", rt], capture_output=True,
+                                            text=True).stdout.count('"running"') for rt in runtimes(g, "gvisor")))
     g2 = again(g, home, tmp_path)
     try:
         back = g2.request("GET", f"/api/sandboxes/{saved}").json()
         assert back["state"] == "paused" and back["resume_from"] == cp, back
         assert cp in back["reason"] and "lost" in back["reason"]
+        assert "not adopted" in g2.log_text()
         assert ex(g2, saved, "print(x, open('kept.txt').read())")["stdout"] == "41 files too\n"
         lost = g2.request("GET", f"/api/sandboxes/{unsaved}").json()
         assert lost["state"] == "dead" and "no checkpoint" in lost["reason"], lost

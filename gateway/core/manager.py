@@ -20,7 +20,8 @@ from sandgate_images import rootfs as images
 
 from ..checkpoints import Checkpoint, CheckpointStore, SnapshotLimits
 from ..config import Settings
-from ..drivers.base import Driver, Limits
+from ..drivers.base import Driver, Limits, SandboxError
+from ..drivers.base import Sandbox as Runtime
 from ..kernelspecs import KernelSpecs
 from ..workspace import WorkspaceError, reap_mounts
 from ..store.base import SessionStore
@@ -155,38 +156,59 @@ class SandboxManager:
     # -- the gateway's own restart -----------------------------------------------
     async def recover(self) -> None:
         """At start: read this node's records back. Paused and dead sandboxes
-        come back as they were; one the last gateway left running (it was
-        killed) resumes from its newest checkpoint, or is dead if it has none.
-        Then what no record claims is removed."""
+        come back as they were. One the last gateway left running or frozen
+        (it was killed) is adopted, runtime and all, where its driver can;
+        failing that it resumes from its newest checkpoint, or is dead if it
+        has none. Then what no record claims is removed."""
+        records = await self.store.list(node=self.store.node)
+        adopted: Dict[str, Runtime] = {}
+        for rec in records:
+            if rec.state in (State.RUNNING, State.FROZEN) and rec.runtime and rec.driver in self.drivers:
+                try:
+                    adopted[rec.id] = await self.drivers[rec.driver].adopt(rec.runtime)
+                except SandboxError as e:
+                    log.warning("sandbox %s: runtime %s not adopted: %s", rec.id, rec.runtime, e)
         for name, driver in self.drivers.items():
-            n = await driver.reap()  # no runtime survives a gateway whose stream it was
+            n = await driver.reap(keep=[adopted[r.id].id for r in records if r.id in adopted and r.driver == name])
             if n:
                 log.warning("removed %d %s sandboxes left running by an earlier gateway process", n, name)
-        for rec in await self.store.list(node=self.store.node):
+        for rec in records:
+            runtime = adopted.get(rec.id)
             if rec.driver not in self.drivers:
                 rec = rec.model_copy(update={"state": State.DEAD, "reason": f"driver {rec.driver} is not available"})
+            elif runtime:
+                pass
             elif rec.state == State.PAUSED and rec.paused_image and not Path(rec.paused_image).is_dir():
                 rec = self._lost(rec, "its paused state is missing from disk")
             elif rec.state not in states.AT_REST:
                 rec = self._lost(rec, f"the gateway stopped while it was {rec.state}")
-            rec = rec.model_copy(update={"runtime": None})
+            if not runtime:
+                rec = rec.model_copy(update={"runtime": None})
             sb = Sandbox(self, rec)
             try:
                 await sb.ws.attach()
-            except WorkspaceError as e:
-                if rec.state != State.DEAD:
+                if runtime:
+                    await sb.adopt(runtime)
+                    log.info("sandbox %s: adopted its %s runtime %s", sb.id, rec.state, runtime.id)
+            except (WorkspaceError, Unavailable) as e:
+                if runtime:
+                    await runtime.destroy()
+                    sb.record = rec = self._lost(rec, f"its runtime was left running but could not be adopted ({e})")
+                elif rec.state != State.DEAD:
                     sb.record = rec = rec.model_copy(update={"state": State.DEAD, "reason": f"lost: {e}"})
             sb.record = await self.store.put(rec)
             sb._stored = rec.state
             self.sandboxes[sb.id] = sb
             log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
+        # The state directories of adopted runtimes started as pooled sandboxes have the pool's names.
+        keep = set(self.sandboxes) | {rt.spec.state_dir.name for rt in adopted.values()}
         home = self.settings.home
         await reap_mounts(home / "workspaces", keep=self.sandboxes)
         for leftover in ("sandboxes", "workspaces", "paused"):
             d = home / leftover
             if d.is_dir():
                 for p in d.iterdir():
-                    if p.name.removesuffix(".img") not in self.sandboxes:
+                    if p.name.removesuffix(".img") not in keep:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _lost(self, rec: SandboxRecord, why: str) -> SandboxRecord:

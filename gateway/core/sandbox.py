@@ -245,9 +245,7 @@ class Sandbox:
                              else self.driver.create(spec))
         except (SandboxError, WorkspaceError) as e:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
-        self.runtime = runtime
-        self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
-        exited = asyncio.ensure_future(runtime.wait())
+        exited = self._attach(runtime)
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
         ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(),
                                                         timeout=s.kernel_start_timeout)
@@ -272,6 +270,28 @@ class Sandbox:
         # A cell that was running at the checkpoint runs on after the restore.
         self.activity = "busy" if self.pending else "idle"
         self.record = self.record.model_copy(update={"runtime": runtime.id})
+        self._watch = asyncio.ensure_future(self._watch_runtime(exited))
+
+    def _attach(self, runtime: Runtime) -> asyncio.Future:
+        """Take ``runtime`` and a link to its agent; returns its exit, awaited."""
+        self.runtime = runtime
+        self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
+        return asyncio.ensure_future(runtime.wait())
+
+    async def adopt(self, runtime: Runtime) -> None:
+        """Take over a runtime that an earlier gateway process left running
+        (it was killed): a running sandbox's agent must answer; a frozen one
+        answers once thawed. Raises Unavailable, with the runtime torn down."""
+        runtime.spec.workspace = self.workspace  # a pooled one was started under another name
+        exited = self._attach(runtime)
+        if self.state == State.RUNNING:
+            try:
+                await self.link.request("ping", timeout=self.manager.settings.kernel_start_timeout)
+            except AgentError as e:
+                exited.cancel()
+                await self.teardown()
+                raise Unavailable(f"its agent does not answer: {e}") from None
+        self.activity = "idle"  # a cell still running says busy as its output arrives
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
 
     async def teardown(self) -> None:

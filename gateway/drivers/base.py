@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
+import os
+import signal
+import tempfile
+import time
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from pydantic import BaseModel, Field
 
@@ -43,6 +48,93 @@ class SandboxSpec(BaseModel):
 
 class SandboxError(Exception):
     """A sandbox could not be created or has failed; the message says why."""
+
+
+def tag(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def socket_dir(home: Path, runtime_id: str, kind: str) -> Path:
+    """Where one runtime's unix sockets and handles go: a socket path must
+    stay under 108 bytes, which the gateway's home may well exceed. Named by
+    the home (so reap() finds its own) and the runtime id (so a later
+    gateway process finds them again: Driver.adopt)."""
+    return Path(tempfile.gettempdir()) / f"sg{kind}-{tag(str(home))}-{tag(runtime_id)}"
+
+
+def tail_lines(path: Path, max_bytes: int = 16 << 10) -> List[str]:
+    """The last non-empty lines of a runtime's log file (its stderr: a file
+    outlives the gateway process, where a pipe would break and kill it)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            return [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return []
+
+
+async def connect_unix(path: Path, alive: Callable[[], bool], deadline: float,
+                       what: str) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect once the runtime listens on ``path``; gives up at once when it
+    has exited (``alive``), else after ``deadline`` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            return await asyncio.open_unix_connection(str(path), limit=1 << 20)
+        except OSError:
+            if not alive():
+                raise SandboxError(f"{what}: the process exited before its socket opened") from None
+            if time.monotonic() > end:
+                raise SandboxError(f"{what}: its socket did not open within {deadline:g} s") from None
+            await asyncio.sleep(0.02)
+
+
+def process_has(pid: int, marker: str) -> bool:
+    """Whether process ``pid`` is alive and has ``marker`` in its command line:
+    a pid read from a file may since have been reused by anything."""
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+class AdoptedProcess:
+    """A runtime process an earlier gateway process started (it was killed),
+    with the part of asyncio's Process that sandboxes use. It is not this
+    process's child, so its exit is seen through a pidfd, and its exit status
+    only if ``status`` can tell it (else ``UNKNOWN``)."""
+
+    UNKNOWN = 255
+
+    def __init__(self, pid: int, marker: str, status: Callable[[], Optional[int]] = lambda: None):
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        self._status = status
+        self._loop = asyncio.get_running_loop()
+        self._exited = self._loop.create_future()
+        try:
+            self._fd = os.pidfd_open(pid)
+        except OSError as e:
+            raise SandboxError(f"process {pid} is gone: {e}") from None
+        if not process_has(pid, marker):  # checked after the pidfd pins the process
+            os.close(self._fd)
+            raise SandboxError(f"process {pid} is gone")
+        self._loop.add_reader(self._fd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        code = self._status()
+        self.returncode = self.UNKNOWN if code is None else code
+        self._exited.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def kill(self) -> None:
+        if self._fd >= 0:
+            signal.pidfd_send_signal(self._fd, signal.SIGKILL)
 
 
 class Sandbox(abc.ABC):
@@ -78,7 +170,7 @@ class Sandbox(abc.ABC):
 class ProcessSandbox(Sandbox):
     """A sandbox that lives exactly as long as one host process (runsc, qemu)."""
 
-    proc: Optional[asyncio.subprocess.Process] = None
+    proc = None  # an asyncio.subprocess.Process, or an AdoptedProcess
     console: Optional[ConsoleLog] = None  # a VM's serial console, read from the process's stdout
 
     @property
@@ -115,10 +207,18 @@ class Driver(abc.ABC):
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """Start a sandbox whose agent is ready to read frames."""
 
-    async def reap(self) -> int:
+    async def reap(self, keep: Iterable[str] = ()) -> int:
         """Remove sandboxes a previous gateway process left behind (it was
-        killed); returns how many. Run once at start-up."""
+        killed), except the runtimes in ``keep`` (adopted); returns how many.
+        Run once at start-up, after adopt()."""
         return 0
+
+    async def adopt(self, runtime: str) -> Sandbox:
+        """Take over the sandbox ``runtime`` (its Sandbox.id) that an earlier
+        gateway process started and left running (it was killed), with the
+        spec it was started with. Returns it with a fresh stream to its agent,
+        or raises SandboxError if it is gone or this driver cannot adopt."""
+        raise SandboxError(f"the {self.name} driver cannot adopt a running sandbox")
 
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
         """Save the running state of ``sandbox`` into ``image_dir`` and stop it;

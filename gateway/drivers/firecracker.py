@@ -455,8 +455,8 @@ class FirecrackerDriver(Driver):
     def unregister(self, sb: Sandbox) -> None:
         (self.root_dir / f"{sb.id}.json").unlink(missing_ok=True)
 
-    async def reap(self) -> int:
-        n = 0
+    async def reap(self, keep=()) -> int:
+        n = 0  # nothing is kept: this driver does not adopt (Driver.adopt)
         for entry in self.root_dir.glob("*.json") if self.root_dir.is_dir() else []:
             try:
                 info = json.loads(entry.read_text())

@@ -1,6 +1,7 @@
 """gVisor sandboxes via runsc: one OCI bundle and one `runsc run` per sandbox.
 
-The agent's stream is the sandbox's stdin/stdout. The image root is mounted
+The agent's stream is the sandbox's stdin/stdout, held by a shim process
+(shim.py) that outlives a killed gateway, so the next one adopts the sandbox. The image root is mounted
 read-only, the workspace read-write (a plain directory, or a Workspace's ext4
 image mounted nosuid,nodev: the gofer follows that mount, and statfs of
 /workspace inside passes through to it, so it shows the quota), /tmp is a
@@ -15,17 +16,18 @@ included; `SANDGATE_RUNSC_PLATFORM=systrap|kvm` picks another where it works.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import os
 import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from ..workspace import WorkspaceError, sandbox_uid
-from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .base import AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix, socket_dir, tag, tail_lines
 
 log = logging.getLogger("sandgate.gvisor")
 
@@ -111,16 +113,23 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
     }
 
 
+SHIM = Path(__file__).with_name("shim.py")
+
+
 class GVisorSandbox(ProcessSandbox):
+    """``proc`` is the shim (drivers/shim.py) that holds runsc's stdio, so the
+    sandbox outlives a killed gateway; the agent's stream is the shim's socket."""
+
     def __init__(self, spec: SandboxSpec, driver: "GVisorDriver"):
         super().__init__(spec)
         self.driver = driver
-        self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._stderr_task: Optional[asyncio.Task] = None
+        self.sockets = socket_dir(driver.home, spec.id, "g")
+        self.log_path = self.sockets / "runsc.log"  # runsc's stderr: a file outlives the gateway, a pipe would not
 
     async def start(self, restore_from: Optional[Path] = None) -> None:
         bundle = self.spec.state_dir / "bundle"
         bundle.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(mode=0o700, exist_ok=True)
         # The workspace is a plain directory or a Workspace's mount point (then it exists).
         self.spec.workspace.mkdir(parents=True, exist_ok=True)
         uid = sandbox_uid()
@@ -128,20 +137,27 @@ class GVisorSandbox(ProcessSandbox):
         argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
                 "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(uid)]
         (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
+        (self.sockets / "spec.json").write_text(self.spec.model_dump_json())
         verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.driver.runsc_args(), *verb, "--bundle", str(bundle), self.id,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
-        self.reader, self.writer = self.proc.stdout, self.proc.stdin
-        self._stderr_task = asyncio.ensure_future(self._drain_stderr())
+        with open(self.log_path, "ab") as stderr:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"), "--",
+                *self.driver.runsc_args(), *verb, "--bundle", str(bundle), self.id,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+                start_new_session=True)
+        (self.sockets / "shim.pid").write_text(str(self.proc.pid))
+        await self.connect()
 
-    async def _drain_stderr(self) -> None:
-        assert self.proc and self.proc.stderr
-        async for line in self.proc.stderr:
-            text = line.decode(errors="replace").rstrip()
-            self.log_tail.append(text)
-            log.debug("[%s] %s", self.id, text)
+    async def connect(self) -> None:
+        """The agent's stream, through the shim's socket."""
+        self.reader, self.writer = await connect_unix(self.sockets / "shim.sock", lambda: self.running, 30,
+                                                      "the sandbox's stream")
+
+    def exit_status(self) -> Optional[int]:
+        try:
+            return int((self.sockets / "status").read_text())
+        except (OSError, ValueError):
+            return None
 
     def failure(self) -> str:
         code = self.proc.returncode if self.proc else None
@@ -151,15 +167,13 @@ class GVisorSandbox(ProcessSandbox):
             what = f"sandbox was killed (exit status {code}: SIGKILL, typically the {self.spec.limits.memory_mb} MB memory limit)"
         else:
             what = f"sandbox exited with status {code}"
-        tail = [line for line in self.log_tail if line.strip()][-5:]
+        tail = tail_lines(self.log_path)[-5:]
         return what + (": " + " | ".join(tail) if tail else "")
 
     async def destroy(self) -> None:
+        if self.writer:
+            self.writer.close()
         if self.proc and self.proc.returncode is None:
-            try:
-                self.proc.stdin.close()
-            except Exception:
-                pass
             await self.driver.runsc("kill", self.id, "KILL")
             try:
                 await asyncio.wait_for(self.proc.wait(), 10)
@@ -167,9 +181,8 @@ class GVisorSandbox(ProcessSandbox):
                 self.proc.kill()
                 await self.proc.wait()
         await self.driver.runsc("delete", "--force", self.id)
-        if self._stderr_task:
-            self._stderr_task.cancel()
         shutil.rmtree(self.spec.state_dir, ignore_errors=True)
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 class GVisorDriver(Driver):
@@ -177,6 +190,7 @@ class GVisorDriver(Driver):
 
     def __init__(self, root_dir: str, platform: Optional[str] = None):
         self.root_dir = root_dir
+        self.home = Path(root_dir).parents[1]
         self.platform = platform or os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace")
         os.makedirs(root_dir, exist_ok=True)
 
@@ -210,13 +224,30 @@ class GVisorDriver(Driver):
             raise SandboxError(f"could not start runsc: {e}") from None
         return sb
 
-    async def reap(self) -> int:
+    async def adopt(self, runtime: str) -> Sandbox:
+        sockets = socket_dir(self.home, runtime, "g")
+        try:
+            spec = SandboxSpec.model_validate_json((sockets / "spec.json").read_text())
+            pid = int((sockets / "shim.pid").read_text())
+        except (OSError, ValueError) as e:
+            raise SandboxError(f"no handle on runtime {runtime}: {e}") from None
+        sb = GVisorSandbox(spec, self)
+        sb.proc = AdoptedProcess(pid, str(sockets / "shim.sock"), sb.exit_status)
+        await sb.connect()
+        return sb
+
+    async def reap(self, keep: Iterable[str] = ()) -> int:
+        keep = set(keep)
         code, out = await self.runsc("list", "-quiet")
-        ids = [line.strip() for line in out.splitlines() if line.strip().startswith("sg-")] if code == 0 else []
-        for sid in ids:
+        ids = [i for i in (line.strip() for line in out.splitlines()) if i.startswith("sg-") and i not in keep]
+        for sid in ids if code == 0 else []:
             await self.runsc("kill", sid, "KILL")
             await self.runsc("delete", "--force", sid)
-        return len(ids)
+        kept = {socket_dir(self.home, i, "g") for i in keep}
+        for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
+            if d not in kept:
+                shutil.rmtree(d, ignore_errors=True)
+        return len(ids) if code == 0 else 0
 
     @staticmethod
     def memory_in_use(sandbox_id: str) -> Optional[int]:

@@ -39,10 +39,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..workspace import unused_id
-from .base import Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .base import AdoptedProcess, Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix, socket_dir, tag, tail_lines
 from .console import ConsoleLog
 
 log = logging.getLogger("sandgate.qemu")
@@ -74,16 +74,6 @@ VM_PIDS = 256  # qemu's own threads (vCPUs, I/O workers); the guest's processes 
 
 def qemu_path() -> Optional[str]:
     return shutil.which("qemu-system-x86_64")
-
-
-def _tag(path: Path) -> str:
-    return hashlib.sha256(str(path).encode()).hexdigest()[:10]
-
-
-def socket_dir(home: Path, state_dir: Path) -> Path:
-    """Where a VM's unix sockets go: a unix socket path must stay under 108
-    bytes, which a sandbox's state directory may well exceed."""
-    return Path(tempfile.gettempdir()) / f"sgq-{_tag(home)}-{_tag(state_dir)}"
 
 
 def host_tsc_khz() -> Optional[int]:
@@ -315,13 +305,13 @@ class QemuSandbox(ProcessSandbox):
         self.driver = driver
         self.console = ConsoleLog(spec.state_dir / "console.log")
         self.overlay = spec.state_dir / "root.qcow2"
-        self.sockets = socket_dir(driver.home, spec.state_dir)
+        self.sockets = socket_dir(driver.home, spec.id, "q")
         self.qmp = QMP(self.sockets / "qmp.sock")
         self.config: Dict[str, Any] = {}  # what a restore must reproduce exactly
         self.uid: Optional[int] = None  # what qemu runs as once its files are open (a root gateway)
         self.cgroup: Optional[VMCgroup] = None
-        self._stderr: List[str] = []
-        self._stderr_task: Optional[asyncio.Future] = None
+        self.log_path = self.sockets / "qemu.log"  # qemu's stderr: a file outlives the gateway, a pipe would not
+        self._console_writer: Optional[asyncio.StreamWriter] = None
 
     @property
     def ws_overlay(self) -> Path:  # the workspace directory is renamed when a pooled VM is taken
@@ -377,7 +367,7 @@ class QemuSandbox(ProcessSandbox):
         if os.geteuid() == 0:
             self.uid = self.driver.take_uid(self.spec.id)
             argv[1:1] = ["-runas", f"{self.uid}:{self.uid}"]
-            self.cgroup = VMCgroup(f"{_tag(self.driver.home)}-{self.spec.id}")
+            self.cgroup = VMCgroup(f"{tag(str(self.driver.home))}-{self.spec.id}")
             memory_mb = self.config["memory_mb"] + OVERHEAD_MB.get(self.config["accel"], OVERHEAD_MB["tcg"])
             procs = await asyncio.get_running_loop().run_in_executor(
                 None, self.cgroup.create, memory_mb, lim.cpus, VM_PIDS)
@@ -389,15 +379,24 @@ class QemuSandbox(ProcessSandbox):
             fd = os.open(restore_from / "state.mig", os.O_RDONLY | os.O_CLOEXEC)
             argv += ["-incoming", f"fd:{fd}"]
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", join, "sh", str(len(procs)), *map(str, procs), *argv,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, pass_fds=(fd,) if fd is not None else ())
+            with open(self.log_path, "ab") as stderr:
+                self.proc = await asyncio.create_subprocess_exec(
+                    "/bin/sh", "-c", join, "sh", str(len(procs)), *map(str, procs), *argv,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+                    start_new_session=True, pass_fds=(fd,) if fd is not None else ())
         finally:
             if fd is not None:
                 os.close(fd)
-        self.console.follow(self.proc.stdout)
-        self._stderr_task = asyncio.ensure_future(self._drain_stderr())
+        # qemu waits for this connection before it starts the guest: no console line is missed.
+        await self._follow_console(QMP_OPEN_TIMEOUT)
+        # What a later gateway process needs to adopt this VM (Driver.adopt).
+        handle = {"pid": self.proc.pid, "uid": self.uid, "config": self.config, "spec": self.spec.model_dump(mode="json")}
+        (self.sockets / "handle.json").write_text(json.dumps(handle))
+
+    async def _follow_console(self, deadline: float) -> None:
+        reader, self._console_writer = await connect_unix(self.sockets / "console.sock", lambda: self.running,
+                                                          deadline, "qemu's console")
+        self.console.follow(reader)  # the writer is kept: collecting it would close the socket
 
     def argv(self, restore_from: Optional[Path]) -> List[str]:
         c, d = self.config, self.sockets
@@ -423,15 +422,17 @@ class QemuSandbox(ProcessSandbox):
         return [qemu_path() or "qemu-system-x86_64", "-M", "microvm", "-accel", accel,
                 "-m", str(c["memory_mb"]), "-smp", str(c["cpus"]),
                 "-nodefaults", "-no-user-config", "-display", "none", "-sandbox", SECCOMP,
-                # the console comes to the gateway on a pipe, which bounds what it keeps
-                "-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console",
+                # The console comes to the gateway on a socket (ConsoleLog bounds what it keeps),
+                # which outlives a killed gateway where a pipe would break and kill qemu.
+                "-chardev", f"socket,id=console,path={d / 'console.sock'},server=on,wait=on",
+                "-serial", "chardev:console",
                 "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "initrd.gz"), "-append", append.strip(),
                 "-drive", f"id=root,file={self.overlay},format=qcow2,{rw}", "-device", "virtio-blk-device,drive=root",
                 "-drive", f"id=agent,file={c['agent']},format=raw,if=none,readonly=on",
                 "-device", "virtio-blk-device,drive=agent",
                 "-drive", f"id=ws,file={self.ws_overlay},format=qcow2,{rw}", "-device", "virtio-blk-device,drive=ws",
                 *agent_dev, "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off", "-no-reboot",
-                "-name", f"sandgate-{_tag(self.driver.home)}"]  # how reap() finds VMs of this home
+                "-name", f"sandgate-{tag(str(self.driver.home))}"]  # how reap() finds VMs of this home
 
     @property
     def cid(self) -> int:
@@ -495,10 +496,8 @@ class QemuSandbox(ProcessSandbox):
         return self.failure()
 
     async def _drained(self) -> None:
-        """The console and stderr, read to their ends (the process has exited)."""
+        """The console, read to its end (the process has exited)."""
         await self.console.drained()
-        if self._stderr_task:
-            await asyncio.wait({self._stderr_task}, timeout=EXIT_GRACE)
 
     async def wait(self) -> int:
         assert self.proc, "sandbox not started"
@@ -537,14 +536,9 @@ class QemuSandbox(ProcessSandbox):
                     raise SandboxError(f"cannot reach the guest agent: {why}") from None
                 await asyncio.sleep(0.1)
 
-    async def _drain_stderr(self) -> None:
-        assert self.proc and self.proc.stderr
-        async for line in self.proc.stderr:
-            self._stderr = (self._stderr + [line.decode(errors="replace").rstrip()])[-10:]
-
     def qemu_said(self, what: str) -> str:
         """``what`` went wrong, with what qemu said about it on stderr."""
-        said = [ln for ln in self._stderr if "qemu" in ln][-2:]
+        said = [ln for ln in tail_lines(self.log_path) if "qemu" in ln][-2:]
         return what + (f" ({' | '.join(said)})" if said else "")
 
     def failure(self) -> str:
@@ -556,18 +550,23 @@ class QemuSandbox(ProcessSandbox):
             what = f"VM was killed: over its memory limit ({self.config['memory_mb']} MB and qemu's overhead)"
         elif code in (-9, 137):
             what = "VM was killed (SIGKILL)"
+        elif code == AdoptedProcess.UNKNOWN and isinstance(self.proc, AdoptedProcess):
+            what = "VM exited (an earlier gateway process started it: only that one could see its exit status)"
         elif code == -31:
             what = "qemu was killed by its seccomp filter (SIGSYS)"
         else:
             what = f"VM exited with status {code}"
         lines = self.console.lines()
         panic = [ln for ln in lines if "Kernel panic" in ln or "sandgate-init" in ln or "Error" in ln]
-        tail = (panic or lines)[-3:] + [ln for ln in self._stderr if "qemu" in ln or ln.startswith("sh:")][-2:]
+        said = [ln for ln in tail_lines(self.log_path) if ("qemu" in ln or ln.startswith("sh:")) and "waiting for" not in ln]
+        tail = (panic or lines)[-3:] + said[-2:]
         return what + (": " + " | ".join(tail) if tail else "")
 
     async def stop(self) -> None:
         self.qmp.close()
         self.console.close()
+        if self._console_writer:
+            self._console_writer.close()
         if self.writer:
             self.writer.close()
         if self.proc and self.proc.returncode is None:
@@ -746,26 +745,56 @@ class QemuDriver(Driver):
         assert isinstance(sandbox, QemuSandbox)
         await sandbox._qmp("cont")
 
-    async def reap(self) -> int:
-        """Kill VMs an earlier gateway process on this home left running, and
-        remove their sockets and cgroups."""
-        name = f"sandgate-{_tag(self.home)}".encode()
+    async def adopt(self, runtime: str) -> Sandbox:
+        """A VM outlives a killed gateway (its own session); its QMP and agent
+        sockets take the next gateway process's connections."""
+        sockets = socket_dir(self.home, runtime, "q")
+        try:
+            handle = json.loads((sockets / "handle.json").read_text())
+            spec = SandboxSpec.model_validate(handle["spec"])
+        except (OSError, ValueError, KeyError) as e:
+            raise SandboxError(f"no handle on VM {runtime}: {e}") from None
+        sb = QemuSandbox(spec, self)
+        sb.config, sb.uid = handle["config"], handle["uid"]
+        sb.proc = AdoptedProcess(handle["pid"], str(sockets / "qmp.sock"))
+        if sb.uid is not None:
+            self.uids.add(sb.uid)
+            sb.cgroup = VMCgroup(f"{tag(str(self.home))}-{spec.id}")
+        try:
+            await sb._follow_console(QMP_TIMEOUT)
+            await sb.qmp.connect(alive=lambda: sb.proc.returncode is None, deadline=QMP_TIMEOUT)
+            await sb._connect_agent(QMP_TIMEOUT)
+        except BaseException:
+            await sb.stop()
+            raise
+        return sb
+
+    async def reap(self, keep: Iterable[str] = ()) -> int:
+        """Kill VMs an earlier gateway process on this home left running,
+        except those adopted (``keep``), and remove their sockets and cgroups."""
+        home = tag(str(self.home))
+        kept = {socket_dir(self.home, i, "q") for i in keep}
+        markers = {str(d / "qmp.sock").encode() for d in kept}
+        name = f"sandgate-{home}".encode()
         killed = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv[0].endswith(b"qemu-system-x86_64") and name in argv:
+            if argv[0].endswith(b"qemu-system-x86_64") and name in argv and not any(
+                    m in arg for m in markers for arg in argv):
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                     killed.append(int(pid))
                 except ProcessLookupError:
                     pass
-        for d in Path(tempfile.gettempdir()).glob(f"sgq-{_tag(self.home)}-*"):
-            shutil.rmtree(d, ignore_errors=True)
+        for d in Path(tempfile.gettempdir()).glob(f"sgq-{home}-*"):
+            if d not in kept:
+                shutil.rmtree(d, ignore_errors=True)
         # A killed VM leaves its cgroup once it is gone (its new parent reaps it).
-        cgroups = [d for c in VMCgroup("x").dirs for d in c.parent.glob(f"{_tag(self.home)}-*")]
+        keep_cg = {f"{home}-{i}" for i in keep}
+        cgroups = [d for c in VMCgroup("x").dirs for d in c.parent.glob(f"{home}-*") if d.name not in keep_cg]
         if cgroups:
             await asyncio.get_running_loop().run_in_executor(
                 None, lambda: [_rmdir_cgroup(d, wait=10 if killed else 0) for d in cgroups])
