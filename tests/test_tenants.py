@@ -349,6 +349,9 @@ async def test_http_tenant_admin_errors_and_429(tmp_path):
             assert r.code == 403 and r.data["code"] == "forbidden", (method, path)
         assert (await http("GET", "/api/tenants", token="sgt.alpha.wrong")).code == 401
         assert (await http("GET", "/api/tenants/nope")).code == 404
+        doc = (await http("GET", "/api/sandboxes/openapi.json")).data
+        assert {"/api/tenants", "/api/tenants/{name}"} <= set(doc["paths"])
+        assert doc["components"]["schemas"]["TenantCreate"]["properties"]["name"]["pattern"]
         assert (await http("POST", "/api/sandboxes", {}, token=t["token"])).code == 201
         r = await http("POST", "/api/kernels", {}, token=t["token"])
         assert r.code == 429 and r.data["code"] == "rate_limited"

@@ -135,8 +135,10 @@ def test_tenant_admin_only_and_bad_input(gw):
 
 
 def test_quotas_and_the_creation_rate(home, tmp_path):
-    g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false", "SANDGATE_TENANT_CREATE_RATE": "0.01",
-                                     "SANDGATE_TENANT_CREATE_BURST": "1", "SANDGATE_TENANT_MAX_MEMORY_MB": "1536"})
+    # The rate by flags (over their variables), the memory quota by its variable.
+    g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false", "SANDGATE_TENANT_CREATE_RATE": "100",
+                                     "SANDGATE_TENANT_MAX_MEMORY_MB": "1536"},
+                args=("--tenant-create-rate", "0.01", "--tenant-create-burst", "1"))
     try:
         t = new_tenant(g, "omega", max_sandboxes=1)
         r = t.request("POST", "/api/sandboxes", {"limits": {"memory_mb": 2048}})

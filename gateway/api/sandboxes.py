@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
+from ..core.tenants import TenantCreate, TenantModel
 from .base import APIHandler
 from .jupyter import UUID
 
@@ -174,7 +175,8 @@ class OpenAPIHandler(APIHandler):
 
 
 def openapi() -> dict:
-    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest]
+    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest,
+              TenantCreate, TenantModel]
     defs = {}
     for m in models:
         schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -191,10 +193,12 @@ def openapi() -> dict:
         r = {"description": desc}
         if name:
             r["content"] = {"application/json": {"schema": ref(name)}}
-        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message", "code"[, "state"]}'},
+        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message", "code"[, "state"]}; another '
+                                                          "tenant's id is 404; 429 with Retry-After"},
                 "5XX": {"description": 'JSON error {"reason", "message", "code"}: 503 when a runtime failed'}}
 
     sid = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    tname = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
     fpath = sid + [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}]
     paths = {
         "/api/sandboxes": {
@@ -224,6 +228,15 @@ def openapi() -> dict:
             "delete": {"parameters": fpath, "responses": resp(204, desc="Deleted")}},
         "/api/sandboxes/tree": {"get": {"summary": "All checkpoints and sandboxes with parent links",
                                         "responses": resp(200)}},
+        "/api/tenants": {
+            "get": {"summary": "List tenants (admin only; never their tokens)", "responses": resp(200)},
+            "post": {"summary": "Create a tenant (admin only); the answer, a TenantModel plus `token`, is the only "
+                                "time the token is shown", "requestBody": body("TenantCreate"),
+                     "responses": resp(201, "TenantModel", "Created")}},
+        "/api/tenants/{name}": {
+            "get": {"parameters": tname, "responses": resp(200, "TenantModel")},
+            "delete": {"parameters": tname, "summary": "Delete a tenant and every sandbox it has (admin only)",
+                       "responses": resp(200)}},
     }
     from .. import __version__
 

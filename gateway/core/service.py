@@ -262,8 +262,11 @@ class SandboxService:
         r = source.record
         sid = await self._admit(who, r.limits.memory_mb)  # before a checkpoint is taken for it
         try:
-            cp = self.checkpoint_get(checkpoint, who) if checkpoint else await source.checkpoint("fork")
             spec = self.manager.specs.get(r.kernel_name)
+            cp = self.checkpoint_get(checkpoint, who) if checkpoint else await source.checkpoint("fork")
+        except KeyError:
+            self._pending.pop(sid, None)
+            raise NotFound(f"No such kernel named {r.kernel_name}") from None
         except BaseException:
             self._pending.pop(sid, None)
             raise
