@@ -365,3 +365,26 @@ async def test_http_tenant_admin_errors_and_429(tmp_path):
         assert len((await http("GET", "/api/sandboxes")).data) == 1
     finally:
         server.stop()
+
+
+@run
+async def test_a_start_in_flight_when_its_tenant_is_deleted_is_deleted_too(tmp_path):
+    from core_harness import driver_of
+
+    svc = make(tmp_path)
+    a, _ = await tenant(svc, "alpha")
+    drv = driver_of(svc)
+    drv.gates["create"] = asyncio.Event()
+    starting = asyncio.ensure_future(start(svc, a))
+    await drv.entered["create"].wait()
+    assert svc.usage("alpha") == (1, 1024)  # counted while it starts
+    deleting = asyncio.ensure_future(svc.delete_tenant("alpha"))
+    while await svc.manager.store.get_tenant("alpha") is not None:  # the record goes first...
+        await asyncio.sleep(0)
+    assert not deleting.done()  # ...while its sandbox's delete waits for the start's lifecycle lock
+    drv.gates["create"].set()  # the delete waited for the start's lifecycle lock; now both finish
+    with pytest.raises(NotFound, match="No such tenant: alpha"):
+        await starting
+    gone = await deleting
+    assert svc.list() == [] and svc.usage("alpha") == (0, 0)
+    assert gone["name"] == "alpha" and len(gone["sandboxes_deleted"]) == 1

@@ -250,7 +250,10 @@ class SandboxService:
                 self._pending.pop(sid, None)
         if not who.admin and await self.manager.store.get_tenant(who.tenant) is None:
             # The tenant was deleted while this started: it goes with the rest of its sandboxes.
-            await self.manager.delete(sb.id)
+            try:
+                await self.manager.delete(sb.id)
+            except NotFound:
+                pass  # the tenant's delete found it first
             raise NotFound(f"No such tenant: {who.tenant}")
         return sb
 
