@@ -150,8 +150,8 @@ class SandboxService:
 
     def tree(self, who: Principal = ADMIN) -> dict:
         nodes = [{"kind": "checkpoint", **c.summary()} for c in self.manager.checkpoints.list(owner=who.tenant)]
-        nodes += [{"kind": "sandbox", "id": sb.id, "parent": sb.record.origin, "state": sb.state.value,
-                   "owner": sb.record.owner} for sb in self.list(who)]
+        nodes += [{"kind": "sandbox", "id": sb.id, "parent": sb.record.origin, "state": sb.state.value}
+                  for sb in self.list(who)]
         return {"nodes": nodes}
 
     # -- creating ------------------------------------------------------------------
