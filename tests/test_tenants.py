@@ -332,11 +332,16 @@ async def test_http_tenant_admin_errors_and_429(tmp_path):
         for body, field in (({"name": "Bad Name"}, "name"), ({"name": ""}, "name"), ({}, "name"),
                             ({"name": "x" * 64}, "name"), ({"name": "ok", "max_sandboxes": -1}, "max_sandboxes"),
                             ({"name": "ok", "max_memory_mb": "lots"}, "max_memory_mb"),
-                            ({"name": "ok", "token": "mine"}, "token")):
+                            ({"name": "ok", "token": "mine"}, "token"), ({"name": 5}, "name"),
+                            ({"name": "ok", "max_sandboxes": 1e308}, "max_sandboxes"),
+                            ({"name": "ok", "max_memory_mb": 1.5}, "max_memory_mb"),
+                            ({"name": "ok\u0000"}, "name"), ({"name": "a.b"}, "name")):
             r = await http("POST", "/api/tenants", body)
             assert r.code == 400 and r.data["message"].startswith(f"{field}:"), (body, r.body)
-        r = await http("POST", "/api/tenants", raw=b"{bad")
-        assert r.code == 400 and "Invalid JSON" in r.data["message"]
+        for raw in (b"{bad", b"[" * 200_000 + b"]" * 200_000, b'{"name": "ok", "max_sandboxes": Infinity}'):
+            r = await http("POST", "/api/tenants", raw=raw)
+            assert r.code == 400 and ("Invalid JSON" in r.data["message"] or "max_sandboxes" in r.data["message"])
+        assert (await http("GET", "/api/tenants")).data == []  # nothing was made of any of it
         t = (await http("POST", "/api/tenants", {"name": "alpha", "max_sandboxes": 5})).data
         assert set(t) == {"name", "token", "max_sandboxes", "max_memory_mb", "created", "sandboxes", "memory_mb"}
         assert (await http("POST", "/api/tenants", {"name": "alpha"})).code == 409

@@ -105,6 +105,11 @@ def test_two_tenants_see_only_their_own(gw):
         assert t.token.encode() not in db and t.token.split(".", 2)[2].encode() not in db
     assert b"alpha" in db and b"token_hash" in db
 
+    # A tenant's token in the query string works, and is redacted in the access log like the admin's.
+    assert gw.request("GET", f"/api/sandboxes?token={beta.token}", token="").json()[0]["id"] == kb
+    log = gw.log_text()
+    assert beta.token not in log and alpha.token not in log and "token=[redacted]" in log
+
     # Deleting a tenant deletes its sandboxes; its token is refused from then on.
     r = gw.request("DELETE", "/api/tenants/beta")
     assert r.status == 200 and r.json()["sandboxes_deleted"] == [kb]
