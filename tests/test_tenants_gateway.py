@@ -45,6 +45,8 @@ def test_two_tenants_see_only_their_own(gw):
     kb = r.json()["id"]
     assert r.json()["owner"] == "beta"
     assert alpha.request("PUT", f"/api/sandboxes/{k}/files/notes.txt", raw=b"alpha only").status == 201
+    weights = bytes(range(256)) * 1024  # 256 KiB both tenants will store
+    assert alpha.request("PUT", f"/api/sandboxes/{k}/files/weights.bin", raw=weights).status == 201
     r = alpha.request("POST", f"/api/sandboxes/{k}/execute", {"code": "secret = 'alpha'; print(6 * 7)"})
     assert r.status == 200 and r.json()["stdout"] == "42\n"
     r = alpha.request("POST", f"/api/sandboxes/{k}/checkpoints", {"name": "mine"})
@@ -80,7 +82,6 @@ def test_two_tenants_see_only_their_own(gw):
     assert [x["id"] for x in beta.request("GET", "/api/kernels").json()] == [kb]
     assert [x["id"] for x in beta.request("GET", "/api/sandboxes").json()] == [kb]
     assert beta.request("GET", "/api/sessions").json() == []
-    assert [n["id"] for n in beta.request("GET", "/api/sandboxes/tree").json()["nodes"]] == [kb]
     assert [x["id"] for x in alpha.request("GET", "/api/kernels").json()] == [k]
     assert [x["id"] for x in alpha.request("GET", "/api/sessions").json()] == [sess]
     assert {x["id"] for x in gw.request("GET", "/api/sandboxes").json()} == {k, kb}
@@ -98,12 +99,21 @@ def test_two_tenants_see_only_their_own(gw):
     assert gw.request("GET", f"/api/sandboxes/{k}/files/notes.txt").body == b"alpha only"
     r = alpha.request("GET", f"/api/sandboxes/{k}/checkpoints")
     assert [c["id"] for c in r.json()] == [cp["id"]]
+    assert beta.request("GET", "/api/sandboxes/tree").json()["nodes"] == [
+        {"kind": "sandbox", "id": kb, "parent": None, "state": "running"}]
 
     # The token is in the store only as a salted hash.
     db = b"".join(p.read_bytes() for p in gw.home.glob("sessions.db*"))
     for t in (alpha, beta):
         assert t.token.encode() not in db and t.token.split(".", 2)[2].encode() not in db
     assert b"alpha" in db and b"token_hash" in db
+
+    # Deduplication inside a tenant only: beta storing alpha's bytes pays for all of them.
+    again = alpha.request("POST", f"/api/sandboxes/{k}/checkpoints", {}).json()
+    assert again["new_bytes"] < len(weights)  # alpha's own second checkpoint: the file is stored already
+    assert beta.request("PUT", f"/api/sandboxes/{kb}/files/weights.bin", raw=weights).status == 201
+    theirs = beta.request("POST", f"/api/sandboxes/{kb}/checkpoints", {}).json()
+    assert theirs["owner"] == "beta" and theirs["new_bytes"] >= len(weights)
 
     # A tenant's token in the query string works, and is redacted in the access log like the admin's.
     assert gw.request("GET", f"/api/sandboxes?token={beta.token}", token="").json()[0]["id"] == kb
