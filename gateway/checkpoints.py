@@ -2,8 +2,12 @@
 workspace, and the tree they form.
 
 Workspace files are stored once each, by content (sha256), in a blob store
-shared by all checkpoints: two checkpoints that differ by one file add that
-one file. A checkpoint is listed only once its record is written, and the
+shared by all checkpoints of one owner: two checkpoints that differ by one
+file add that one file. Deduplication stays inside an owner (a tenant): a
+blob's name is the sha256 of its content for owner "" (the admin, and every
+checkpoint taken before tenants), and ``blob_key(owner, sha)`` (a hash of the
+owner and the content hash) for a tenant, so ``new_bytes`` of one tenant's
+checkpoint never depends on what another tenant stored. A checkpoint is listed only once its record is written, and the
 record is written last (atomically, by rename), so a checkpoint interrupted
 by a crash, a full disk or a failing driver is never listed; its leftovers
 are removed by ``sweep``.
@@ -73,9 +77,18 @@ class FileEntry(BaseModel):
         return data
 
 
+def blob_key(owner: str, sha: str) -> str:
+    """The blob store's name for content ``sha`` stored by ``owner``: the
+    content hash itself for owner "", else a hash of both (its own namespace)."""
+    if not owner:
+        return sha
+    return hashlib.sha256(b"sandgate-blob\0" + owner.encode() + b"\0" + sha.encode()).hexdigest()
+
+
 class Checkpoint(BaseModel):
     id: str
     sandbox: str  # the sandbox (kernel) it was taken from
+    owner: str = ""  # the tenant whose sandbox it was taken from ("" = the admin); its blobs are that owner's
     parent: Optional[str] = None  # the checkpoint that sandbox was restored from, if any
     created: float
     name: str = ""
@@ -330,14 +343,15 @@ class CheckpointStore:
             raise KeyError(cid)
         return Checkpoint.model_validate_json(path.read_text())
 
-    def list(self, sandbox: Optional[str] = None) -> List[Checkpoint]:
+    def list(self, sandbox: Optional[str] = None, owner: Optional[str] = None) -> List[Checkpoint]:
+        """Committed checkpoints, oldest first; of one sandbox, of one owner."""
         out = []
         for d in self.items.iterdir():
             try:
                 cp = self.get(d.name)
             except (KeyError, ValueError, OSError):
                 continue
-            if sandbox is None or cp.sandbox == sandbox:
+            if (sandbox is None or cp.sandbox == sandbox) and (owner is None or cp.owner == owner):
                 out.append(cp)
         return sorted(out, key=lambda c: c.created)
 
@@ -423,9 +437,10 @@ class CheckpointStore:
         return fd
 
     def snapshot(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *, cid: Optional[str] = None,
-                 cancel: Optional[threading.Event] = None) -> tuple[Dict[str, FileEntry], int]:
+                 cancel: Optional[threading.Event] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
         """Store the workspace's files; returns the manifest and the new bytes
-        (data written to the blob store). ``cid``, from ``new_dir``: the
+        (data written to the blob store, in ``owner``'s namespace: what other
+        owners stored is neither reused nor visible). ``cid``, from ``new_dir``: the
         blobs stay pinned until that checkpoint is committed or discarded.
         Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's);
         then, and on any other failure, the blobs it wrote are removed."""
@@ -459,14 +474,14 @@ class CheckpointStore:
                 finally:
                     os.close(fd)
             found = [f for f in found if f.sha]
-            shas = {f.sha for f in found}
+            shas = {blob_key(owner, f.sha) for f in found}
             with self._lock:  # pinned before looking: a sweep from now on keeps them
                 if cid is not None and cid not in self._open:
                     raise RuntimeError(f"checkpoint {cid} was discarded while its workspace was being stored")
                 self._pins.setdefault(token, set()).update(shas)
             missing: Dict[str, _Found] = {}
             for f in found:
-                if f.sha not in missing and not os.path.exists(self._blob_path(f.sha)):
+                if f.sha not in missing and not os.path.exists(self._blob_path(blob_key(owner, f.sha))):
                     missing[f.sha] = f
                 if missing.get(f.sha) is not f:
                     f.content = None  # stored already, or by another file
@@ -480,7 +495,7 @@ class CheckpointStore:
             made: Set[bytes] = set()
             for sha, f in missing.items():
                 _check(cancel)
-                new += self._store_blob(f, buf, cancel, created, made)
+                new += self._store_blob(f, blob_key(owner, sha), buf, cancel, created, made)
                 f.content = None
             files: Dict[str, FileEntry] = {}
             for f in found:
@@ -505,10 +520,10 @@ class CheckpointStore:
     def _blob_path(self, sha: str) -> bytes:
         return self._blobs_b + sha[:2].encode() + b"/" + sha.encode()
 
-    def _store_blob(self, f: _Found, buf: bytearray, cancel, created: List[str], made: Set[bytes]) -> int:
-        """Write one blob under a temporary name, then rename it into place."""
-        blob = self._blob_path(f.sha)
-        parent = blob[:-len(f.sha) - 1]
+    def _store_blob(self, f: _Found, key: str, buf: bytearray, cancel, created: List[str], made: Set[bytes]) -> int:
+        """Write one blob (named ``key``) under a temporary name, then rename it into place."""
+        blob = self._blob_path(key)
+        parent = blob[:-len(key) - 1]
         if parent not in made:
             try:
                 os.mkdir(parent, 0o700)
@@ -533,7 +548,7 @@ class CheckpointStore:
             os.close(dst)
             dst = -1
             os.replace(tmp, blob)
-            created.append(f.sha)
+            created.append(key)
             return data
         except BaseException as e:
             if dst >= 0:
@@ -560,7 +575,7 @@ class CheckpointStore:
                     self._blob(sha).unlink(missing_ok=True)
 
     def _live(self) -> Set[str]:  # under the lock
-        live = {e.sha256 for cp in self.list() for e in cp.files.values()}
+        live = {blob_key(cp.owner, e.sha256) for cp in self.list() for e in cp.files.values()}
         for pinned in self._pins.values():
             live |= pinned
         return live
@@ -599,7 +614,7 @@ class CheckpointStore:
                     made.add(path)
                 target = path + b"/" + parts[-1]
                 try:
-                    src = os.open(self._blob(entry.sha256), os.O_RDONLY | os.O_CLOEXEC)
+                    src = os.open(self._blob(blob_key(cp.owner, entry.sha256)), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
                     raise FileNotFoundError(
                         f"checkpoint {cp.id} is damaged: blob of {os.fsdecode(rel)} is missing") from None
@@ -662,10 +677,10 @@ class CheckpointStore:
     # -- off the event loop -----------------------------------------------
 
     async def snapshot_async(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *,
-                             cid: Optional[str] = None) -> tuple[Dict[str, FileEntry], int]:
+                             cid: Optional[str] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
         """``snapshot`` in a worker thread. Cancelling stops it at the next
         chunk, removes what it wrote, and returns only once the thread is done."""
-        return await _in_thread(self.snapshot, workspace, limits, cid=cid)
+        return await _in_thread(self.snapshot, workspace, limits, cid=cid, owner=owner)
 
     async def materialize_async(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None) -> None:
         """``materialize`` in a worker thread; cancelling stops it at the next

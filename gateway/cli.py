@@ -30,7 +30,10 @@ def cmd_serve(args) -> int:
                              max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
                              default_driver=args.driver, home=args.home, max_memory_mb=args.max_memory_mb,
                              max_cpus=args.max_cpus, max_pids=args.max_pids, max_disk_mb=args.max_disk_mb,
-                             max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes)
+                             max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes,
+                             tenant_max_sandboxes=args.tenant_max_sandboxes,
+                             tenant_max_memory_mb=args.tenant_max_memory_mb,
+                             tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst)
     generated = settings.token is None
     if settings.token == "":
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
@@ -216,6 +219,15 @@ def main(argv=None) -> int:
     s.add_argument("--keep-sandboxes", action=argparse.BooleanOptionalAction, default=None,
                    help="at exit, pause every sandbox to disk and resume them at the next start "
                         "(SANDGATE_KEEP_SANDBOXES, default on); --no-keep-sandboxes deletes them")
+    s.add_argument("--tenant-max-sandboxes", type=int,
+                   help="a tenant's sandboxes at once, unless set for it; 0 no quota (SANDGATE_TENANT_MAX_SANDBOXES, 8)")
+    s.add_argument("--tenant-max-memory-mb", type=int,
+                   help="the sum of a tenant's sandboxes' memory, unless set for it; 0 no quota "
+                        "(SANDGATE_TENANT_MAX_MEMORY_MB, 16384)")
+    s.add_argument("--tenant-create-rate", type=float,
+                   help="sandbox creations per minute per tenant; 0 no limit (SANDGATE_TENANT_CREATE_RATE, 30)")
+    s.add_argument("--tenant-create-burst", type=int,
+                   help="creations a tenant may make at once before the rate applies (SANDGATE_TENANT_CREATE_BURST, 10)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("image", help="build or show the sandbox image")

@@ -51,6 +51,11 @@ class Settings(BaseModel):
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
     kernel_start_timeout: float = Field(120, gt=0)
+    # Tenants (core/tenants.py): defaults for every tenant, overridable per tenant at its creation; 0 = no quota.
+    tenant_max_sandboxes: int = Field(8, ge=0)  # sandboxes a tenant may have at once (any state)
+    tenant_max_memory_mb: int = Field(16384, ge=0)  # the sum of its sandboxes' limits.memory_mb
+    tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
+    tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
 
     ENV: ClassVar[Dict[str, str]] = {  # field -> variable; every flag of `sandgate serve` has one
         "ip": "SANDGATE_IP", "port": "SANDGATE_PORT", "token": "SANDGATE_TOKEN",
@@ -69,6 +74,8 @@ class Settings(BaseModel):
         "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES",
         "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
+        "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
+        "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

@@ -41,7 +41,7 @@ def take(store: CheckpointStore, ws: Path, **kw) -> Checkpoint:
     except BaseException:
         store.discard(cid)
         raise
-    cp = Checkpoint(id=cid, sandbox="sb", created=time.time(), state_bytes=0, files=files,
+    cp = Checkpoint(id=cid, sandbox="sb", owner=kw.get("owner", ""), created=time.time(), state_bytes=0, files=files,
                     files_bytes=sum(f.size for f in files.values()), new_bytes=new)
     store.commit(cp)
     return cp
@@ -453,3 +453,26 @@ def test_a_discarded_checkpoint_cannot_take_blobs_with_it(store, ws):
     with pytest.raises(RuntimeError, match="discarded"):
         store.snapshot(ws, cid=cid)
     assert blob_files(store) == []
+
+
+def test_deduplication_stays_inside_an_owner(store, ws, tmp_path):
+    """new_bytes of one tenant's checkpoint cannot tell it what another stored."""
+    (ws / "model.bin").write_bytes(b"secret weights" * 1000)
+    n = len(b"secret weights" * 1000)
+    a1 = take(store, ws, owner="alice")
+    assert a1.new_bytes == n and a1.owner == "alice"
+    assert take(store, ws, owner="alice").new_bytes == 0  # within a tenant: deduplicated
+    b = take(store, ws, owner="bob")
+    assert b.new_bytes == n  # the same bytes, stored by alice: bob pays for them all the same
+    admin = take(store, ws)
+    assert admin.new_bytes == n  # owner "" (the admin, and checkpoints from before tenants) is its own namespace
+    sha = a1.files["model.bin"].sha256
+    assert blob_files(store) == sorted({sha, ck.blob_key("alice", sha), ck.blob_key("bob", sha)})
+    assert ck.blob_key("", sha) == sha  # single-tenant layout unchanged
+    for cp, dest in ((a1, "a"), (b, "b"), (admin, "c")):  # each restores from its own blobs
+        store.materialize(cp, tmp_path / dest)
+        assert (tmp_path / dest / "model.bin").read_bytes() == b"secret weights" * 1000
+    assert [c.id for c in store.list(owner="bob")] == [b.id]
+    store.discard(b.id)
+    store.sweep()  # bob's blob goes with bob's last checkpoint; alice's and the admin's stay
+    assert blob_files(store) == sorted({sha, ck.blob_key("alice", sha)})

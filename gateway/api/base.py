@@ -1,32 +1,43 @@
-"""What every handler shares: token auth, CORS, JSON bodies and JSON errors."""
+"""What every handler shares: token auth (who the caller is), CORS, JSON
+bodies and JSON errors (the one place core errors become HTTP)."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import logging
-from typing import Type, TypeVar
+import math
+from typing import Optional, Type, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from tornado import web
 
 from ..core.errors import SandgateError
+from ..core.tenants import ADMIN, Principal
 
 log = logging.getLogger("sandgate.api")
 M = TypeVar("M", bound=BaseModel)
 
 
 class AuthMixin:
-    """Token in ``Authorization: token T`` (or ``Bearer T``) or ``?token=T``."""
+    """Token in ``Authorization: token T`` (or ``Bearer T``) or ``?token=T``:
+    the serve token is the admin, a tenant's token that tenant."""
 
-    def token_ok(self) -> bool:
+    who: Optional[Principal] = None  # the caller, once authenticated; handlers pass it to the service
+
+    async def authenticate(self) -> Optional[Principal]:
+        """The caller, or None (401)."""
         token = self.settings["sandgate"].token
-        if not token:
-            return True
         auth = self.request.headers.get("Authorization", "")
         scheme, _, value = auth.partition(" ")
         given = value.strip() if scheme.lower() in ("token", "bearer") else self.get_query_argument("token", "")
-        return bool(given) and hmac.compare_digest(given.encode(), token.encode())
+        if token and given and hmac.compare_digest(given.encode(), token.encode()):
+            return ADMIN
+        if given:
+            tenant = await self.settings["service"].tenants.authenticate(given)
+            if tenant:
+                return tenant
+        return None if token else ADMIN  # no serve token: authentication is off, every caller is the admin
 
     def set_cors(self) -> None:
         allow = self.settings["sandgate"].allow_origin
@@ -39,9 +50,12 @@ class AuthMixin:
 
 
 class APIHandler(AuthMixin, web.RequestHandler):
-    def prepare(self):
+    async def prepare(self):
         self.set_cors()
-        if self.request.method != "OPTIONS" and not self.token_ok():
+        if self.request.method == "OPTIONS":
+            return
+        self.who = await self.authenticate()
+        if self.who is None:
             raise web.HTTPError(401)
 
     @property
@@ -91,6 +105,9 @@ class APIHandler(AuthMixin, web.RequestHandler):
         message = ""
         if isinstance(exc, SandgateError):
             body = {"reason": self._reason, "message": exc.message, "code": exc.code}
+            if getattr(exc, "retry_after", None) is not None:  # RateLimited (429)
+                self.set_header("Retry-After", str(max(1, math.ceil(exc.retry_after))))
+                body["retry_after"] = round(exc.retry_after, 3)
             if getattr(exc, "state", None):
                 body["state"] = exc.state
             self.set_header("Content-Type", "application/json")

@@ -39,10 +39,11 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
     async def get(self, kernel_id):
         # Refuse before the upgrade, so clients see a real HTTP status.
         self.set_cors()
-        if not self.token_ok():
+        self.who = await self.authenticate()
+        if self.who is None:
             raise web.HTTPError(401)
         try:
-            self.kernel = self.settings["service"].get(kernel_id)
+            self.kernel = self.settings["service"].get(kernel_id, self.who)  # another tenant's: 404 too
         except NotFound:
             raise web.HTTPError(404, "Kernel does not exist: %s", kernel_id) from None
         self.session_ids = set()

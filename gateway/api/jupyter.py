@@ -17,6 +17,7 @@ from tornado import web
 from .. import __version__
 from ..core.errors import NotFound
 from ..core.service import StartRequest
+from ..core.tenants import Principal
 from .base import APIHandler, error, not_found
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -65,20 +66,20 @@ class KernelSpecResourceHandler(APIHandler):
 
 
 async def start_kernel(handler: APIHandler, name: Optional[str], env: Optional[dict]):
-    return await handler.service.start(StartRequest(kernel_name=name, env=env or {}))
+    return await handler.service.start(StartRequest(kernel_name=name, env=env or {}), handler.who)
 
 
 def kernel(handler: APIHandler, kernel_id: str):
-    """Jupyter's wording for an unknown kernel."""
+    """Jupyter's wording for an unknown kernel (or another tenant's)."""
     try:
-        return handler.service.get(kernel_id)
+        return handler.service.get(kernel_id, handler.who)
     except NotFound:
         raise not_found(f"Kernel does not exist: {kernel_id}") from None
 
 
 class KernelsHandler(APIHandler):
     def get(self):
-        self.reply([k.model() for k in self.service.list()])
+        self.reply([k.model() for k in self.service.list(self.who)])
 
     async def post(self):
         body = self.body(KernelCreate)
@@ -93,7 +94,7 @@ class KernelHandler(APIHandler):
 
     async def delete(self, kernel_id):
         kernel(self, kernel_id)
-        await self.service.delete(kernel_id)
+        await self.service.delete(kernel_id, self.who)
         self.set_status(204)
         self.finish()
 
@@ -102,14 +103,16 @@ class KernelActionHandler(APIHandler):
     async def post(self, kernel_id, action):
         kernel(self, kernel_id)
         if action == "interrupt":
-            await self.service.interrupt(kernel_id)
+            await self.service.interrupt(kernel_id, self.who)
             self.set_status(204)
             return self.finish()
-        self.reply((await self.service.restart(kernel_id)).model())
+        self.reply((await self.service.restart(kernel_id, self.who)).model())
 
 
 class NotebookSessions:
-    """jupyter_server's session records: a notebook path bound to a kernel."""
+    """jupyter_server's session records: a notebook path bound to a kernel.
+    Each belongs to the tenant that made it ("" for the admin); a tenant sees
+    its own only, the admin all."""
 
     def __init__(self):
         self.sessions: Dict[str, dict] = {}
@@ -123,13 +126,13 @@ class NotebookSessions:
         return {"id": sid, "path": s["path"], "name": s["name"], "type": s["type"], "kernel": kernel,
                 "notebook": {"path": s["path"], "name": s["name"]}}
 
-    def live(self, service) -> List[dict]:
+    def live(self, service, who: Principal) -> List[dict]:
         out = []
         for sid in list(self.sessions):
             m = self.model(sid, service)
             if m is None:  # its kernel was deleted or culled
                 del self.sessions[sid]
-            else:
+            elif who.sees(self.sessions[sid]["owner"]):
                 out.append(m)
         return out
 
@@ -140,7 +143,7 @@ class SessionsHandler(APIHandler):
         return self.settings["notebook_sessions"]
 
     def get(self):
-        self.reply(self.store.live(self.service))
+        self.reply(self.store.live(self.service, self.who))
 
     async def post(self):
         body = self.body(SessionCreate)
@@ -151,8 +154,8 @@ class SessionsHandler(APIHandler):
         kind = body.type or ("notebook" if extra.get("notebook") else None)
         if not kind:
             raise error(400, "Missing field in JSON data: type")
-        for m in self.store.live(self.service):
-            if m["path"] == path:
+        for m in self.store.live(self.service, self.who):
+            if m["path"] == path and self.store.sessions[m["id"]]["owner"] == self.who.owner:
                 return self.reply(m, 201)
         spec = body.kernel or SessionKernel()
         if spec.id:
@@ -162,14 +165,16 @@ class SessionsHandler(APIHandler):
                 raise error(501, f"The '{spec.name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
             k = await start_kernel(self, spec.name, None)
         sid = str(uuid.uuid4())
-        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": k.id}
+        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": k.id,
+                                    "owner": self.who.owner}
         self.set_header("Location", f"/api/sessions/{sid}")
         self.reply(self.store.model(sid, self.service), 201)
 
 
 class SessionHandler(SessionsHandler):
     def session(self, sid):
-        if sid not in self.store.sessions or self.store.model(sid, self.service) is None:
+        if (sid not in self.store.sessions or not self.who.sees(self.store.sessions[sid]["owner"])
+                or self.store.model(sid, self.service) is None):
             raise not_found(f"Session not found: {sid}")
         return self.store.sessions[sid]
 
@@ -189,14 +194,14 @@ class SessionHandler(SessionsHandler):
         elif body.kernel and body.kernel.name:
             old = s["kernel_id"]
             s["kernel_id"] = (await start_kernel(self, body.kernel.name, None)).id
-            await self.service.delete(old)
+            await self.service.delete(old, self.who)
         self.reply(self.store.model(sid, self.service))
 
     async def delete(self, sid):
         s = self.session(sid)
         del self.store.sessions[sid]
         try:
-            await self.service.delete(s["kernel_id"])
+            await self.service.delete(s["kernel_id"], self.who)
         except NotFound:
             pass
         self.set_status(204)
@@ -218,6 +223,6 @@ def routes() -> list:
 
 
 class NotFoundHandler(APIHandler):
-    def prepare(self):
-        super().prepare()
+    async def prepare(self):
+        await super().prepare()
         raise web.HTTPError(404, "%s", f"No such endpoint: {self.request.path}")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
+from ..core.tenants import TenantCreate, TenantModel
 from .base import APIHandler
 from .jupyter import UUID
 
@@ -66,21 +67,21 @@ class ExecuteResult(BaseModel):
 
 class SandboxesHandler(APIHandler):
     def get(self):
-        self.reply([sandbox_model(sb) for sb in self.service.list()])
+        self.reply([sandbox_model(sb) for sb in self.service.list(self.who)])
 
     async def post(self):
         body = self.body(SandboxCreate)
-        sb = await self.service.start(StartRequest(**dict(body)))
+        sb = await self.service.start(StartRequest(**dict(body)), self.who)
         self.set_header("Location", f"/api/sandboxes/{sb.id}")
         self.reply(sandbox_model(sb), 201)
 
 
 class SandboxHandler(APIHandler):
     def get(self, sid):
-        self.reply(sandbox_model(self.service.get(sid)))
+        self.reply(sandbox_model(self.service.get(sid, self.who)))
 
     async def delete(self, sid):
-        await self.service.delete(sid)
+        await self.service.delete(sid, self.who)
         self.set_status(204)
         self.finish()
 
@@ -91,10 +92,10 @@ class ExecuteHandler(APIHandler):
 
     async def post(self, sid):
         body = self.body(ExecuteRequest)
-        self.service.get(sid)
+        self.service.get(sid, self.who)
         stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
         if not stream:
-            return self.reply(await self.service.execute(sid, body.code, body.timeout))
+            return self.reply(await self.service.execute(sid, body.code, body.timeout, who=self.who))
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
 
@@ -103,7 +104,8 @@ class ExecuteHandler(APIHandler):
             await self.flush()
 
         try:
-            result = await self.service.execute(sid, body.code, body.timeout, on_output=lambda o: emit("output", o))
+            result = await self.service.execute(sid, body.code, body.timeout, on_output=lambda o: emit("output", o),
+                                                who=self.who)
         except Exception as e:  # headers are sent: the error travels as an event
             await emit("error", {"message": str(e) or type(e).__name__, "code": getattr(e, "code", "internal")})
         else:
@@ -114,28 +116,28 @@ class ExecuteHandler(APIHandler):
 class ActionHandler(APIHandler):
     async def post(self, sid, action):
         if action == "pause":
-            sb = await self.service.pause(sid, self.body(PauseRequest).mode)
+            sb = await self.service.pause(sid, self.body(PauseRequest).mode, self.who)
         else:
             self.body(Empty)  # no fields, but malformed JSON is still a 400
-            sb = await self.service.resume(sid)
+            sb = await self.service.resume(sid, self.who)
         self.reply(sandbox_model(sb))
 
 
 class CheckpointsHandler(APIHandler):
     def get(self, sid):
-        self.reply(self.service.checkpoints(sid))
+        self.reply(self.service.checkpoints(sid, self.who))
 
     async def post(self, sid):
         body = self.body(CheckpointRequest)
-        self.service.get(sid)
-        cp = await self.service.checkpoint(sid, body.name)
+        self.service.get(sid, self.who)
+        cp = await self.service.checkpoint(sid, body.name, self.who)
         self.reply(cp.summary(), 201)
 
 
 class ForkHandler(APIHandler):
     async def post(self, sid):
         body = self.body(ForkRequest)
-        sb = await self.service.fork(sid, body.checkpoint)
+        sb = await self.service.fork(sid, body.checkpoint, self.who)
         self.set_header("Location", f"/api/sandboxes/{sb.id}")
         self.reply(sandbox_model(sb), 201)
 
@@ -144,25 +146,25 @@ class TreeHandler(APIHandler):
     """Every checkpoint and fork, as nodes and parent links, for drawing."""
 
     def get(self):
-        self.reply(self.service.tree())
+        self.reply(self.service.tree(self.who))
 
 
 class FilesHandler(APIHandler):
     async def get(self, sid, path):
         try:
-            return self.reply(await self.service.list_files(sid, path))
+            return self.reply(await self.service.list_files(sid, path, self.who))
         except BadRequest as e:
             if e.code != "NotADirectoryError":
                 raise
-        data = await self.service.read_file(sid, path)
+        data = await self.service.read_file(sid, path, self.who)
         self.set_header("Content-Type", "application/octet-stream")
         self.finish(data)
 
     async def put(self, sid, path):
-        self.reply(await self.service.write_file(sid, path, self.request.body), 201)
+        self.reply(await self.service.write_file(sid, path, self.request.body, self.who), 201)
 
     async def delete(self, sid, path):
-        await self.service.delete_file(sid, path)
+        await self.service.delete_file(sid, path, self.who)
         self.set_status(204)
         self.finish()
 
@@ -173,7 +175,8 @@ class OpenAPIHandler(APIHandler):
 
 
 def openapi() -> dict:
-    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest]
+    models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest,
+              TenantCreate, TenantModel]
     defs = {}
     for m in models:
         schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -190,10 +193,12 @@ def openapi() -> dict:
         r = {"description": desc}
         if name:
             r["content"] = {"application/json": {"schema": ref(name)}}
-        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message", "code"[, "state"]}'},
+        return {str(code): r, "4XX": {"description": 'JSON error {"reason", "message", "code"[, "state"]}; another '
+                                                          "tenant's id is 404; 429 with Retry-After"},
                 "5XX": {"description": 'JSON error {"reason", "message", "code"}: 503 when a runtime failed'}}
 
     sid = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    tname = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
     fpath = sid + [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}]
     paths = {
         "/api/sandboxes": {
@@ -223,6 +228,15 @@ def openapi() -> dict:
             "delete": {"parameters": fpath, "responses": resp(204, desc="Deleted")}},
         "/api/sandboxes/tree": {"get": {"summary": "All checkpoints and sandboxes with parent links",
                                         "responses": resp(200)}},
+        "/api/tenants": {
+            "get": {"summary": "List tenants (admin only; never their tokens)", "responses": resp(200)},
+            "post": {"summary": "Create a tenant (admin only); the answer, a TenantModel plus `token`, is the only "
+                                "time the token is shown", "requestBody": body("TenantCreate"),
+                     "responses": resp(201, "TenantModel", "Created")}},
+        "/api/tenants/{name}": {
+            "get": {"parameters": tname, "responses": resp(200, "TenantModel")},
+            "delete": {"parameters": tname, "summary": "Delete a tenant and every sandbox it has (admin only)",
+                       "responses": resp(200)}},
     }
     from .. import __version__
 

@@ -64,3 +64,14 @@ class Unavailable(SandgateError):
     """The runtime failed: could not start, restore or checkpoint; the message says why."""
 
     status, code = 503, "unavailable"
+
+
+class RateLimited(SandgateError):
+    """Too many requests of one kind too fast (a tenant's creation rate);
+    ``retry_after`` is the seconds until one more is allowed."""
+
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after

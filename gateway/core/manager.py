@@ -77,14 +77,17 @@ class SandboxManager:
     # -- start, fork, delete ---------------------------------------------------
     async def start(self, kernel_name: str, driver: str, env: Dict[str, str], limits: Limits,
                     labels: Optional[Dict[str, str]] = None, ttl: Optional[float] = None,
-                    checkpoint: Optional[Checkpoint] = None, owner: str = "") -> Sandbox:
+                    checkpoint: Optional[Checkpoint] = None, owner: str = "",
+                    sandbox_id: Optional[str] = None) -> Sandbox:
         """Start a sandbox cold, from the warm pool, from the template, or
-        from a checkpoint (files and running state). Arguments are validated."""
+        from a checkpoint (files and running state). Arguments are validated;
+        ``sandbox_id`` (a new uuid4 when omitted) lets the service count it
+        against its owner's quota before it exists."""
         if self.stopping:
             raise Unavailable("the gateway is shutting down")
         if len(self.sandboxes) + self._starting >= self.settings.max_kernels:
             raise LimitReached(f"Maximum number of sandboxes ({self.settings.max_kernels}) reached")
-        rec = SandboxRecord(id=str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
+        rec = SandboxRecord(id=sandbox_id or str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
                             limits=limits, labels=labels or {}, node=self.store.node,
                             expires=time.time() + ttl if ttl else None)
         self._starting += 1

@@ -41,3 +41,15 @@ class SandboxRecord(BaseModel):
     resume_from: Optional[str] = None
     reason: Optional[str] = None  # why it is dead, or what a recovery cost
     version: int = 0  # bumped by the store on every write
+
+
+class TenantRecord(BaseModel):
+    """One tenant, as the store keeps it: the token only as a salted hash."""
+
+    name: str
+    token_hash: str  # hex of scrypt(secret, salt) (core/tenants.py)
+    salt: str  # hex
+    kdf: str = "scrypt-n16384-r8-p1"  # how token_hash was made, so it can change later
+    max_sandboxes: Optional[int] = None  # None: the gateway's default (SANDGATE_TENANT_MAX_SANDBOXES)
+    max_memory_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_MEMORY_MB
+    created: float = Field(default_factory=time.time)

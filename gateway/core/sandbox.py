@@ -420,8 +420,9 @@ class Sandbox:
             store.discard(cid)
             raise
         try:
-            files, new = await store.snapshot_async(self.workspace, cid=cid)  # stopped: same instant as memory
-            cp = Checkpoint(id=cid, sandbox=self.id, parent=self.record.head, created=time.time(), name=name,
+            owner = self.record.owner  # blobs deduplicated within the tenant only
+            files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner)  # stopped: same instant as memory
+            cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
                             state_bytes=dir_size(image), files=files,
                             files_bytes=sum(f.size for f in files.values()), new_bytes=new)
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole

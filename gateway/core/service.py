@@ -8,8 +8,11 @@ which each front end maps once (api/base.py for HTTP).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import re
+import uuid
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,11 +21,14 @@ from ..agent_link import AgentError
 from ..checkpoints import Checkpoint
 from ..config import Settings
 from ..drivers.base import Limits
-from .errors import BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, SandgateError, Unavailable
+from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, RateLimited,
+                     SandgateError, Unavailable)
 from .manager import SandboxManager
 from .messages import utcnow
+from .record import TenantRecord
 from .sandbox import Sandbox
 from .states import State
+from .tenants import ADMIN, Principal, TenantCreate, TenantModel, Tenants
 
 log = logging.getLogger("sandgate.service")
 
@@ -54,10 +60,10 @@ class SandboxCreate(BaseModel):
 
 
 class StartRequest(SandboxCreate):
-    """What the service starts: a create body, plus what the front end knows (kernelspec, owner)."""
+    """What the service starts: a create body, plus what the front end knows
+    (the kernelspec). The owner is the caller's (the ``who`` of ``start``)."""
 
     kernel_name: Optional[str] = Field(None, description="kernelspec; the default when omitted")
-    owner: str = ""
 
 
 # -- answer models --------------------------------------------------------------
@@ -72,6 +78,7 @@ class SandboxModel(BaseModel):
     parent: Optional[Dict[str, Optional[str]]]  # {"sandbox", "checkpoint"} it was forked from
     head: Optional[str]  # newest checkpoint in its line
     limits: Limits
+    owner: str = ""  # the tenant it belongs to; "" for the admin's
     labels: Dict[str, str]
     created: str
     last_activity: str
@@ -85,7 +92,7 @@ def sandbox_model(sb: Sandbox) -> dict:
     parent = {"sandbox": r.parent, "checkpoint": r.origin} if r.origin else None
     return SandboxModel(id=r.id, state=r.state, pause_mode=r.pause_mode, execution_state=sb.execution_state,
                         driver=r.driver, kernel_id=r.id, runtime_id=sb.runtime.id if sb.runtime else None,
-                        parent=parent, head=r.head, limits=r.limits, labels=r.labels, created=m["created"],
+                        parent=parent, head=r.head, limits=r.limits, owner=r.owner, labels=r.labels, created=m["created"],
                         last_activity=m["last_activity"], expires=m.get("expires"), resume_from=r.resume_from,
                         reason=r.reason).model_dump(mode="json")
 
@@ -98,16 +105,26 @@ OutputCallback = Callable[[dict], Awaitable[None]]
 
 
 class SandboxService:
-    def __init__(self, manager: SandboxManager):
+    """Every method takes the caller (``who``, a ``Principal``; the admin when
+    omitted). A tenant reaches only what it owns: another's sandbox, kernel or
+    checkpoint is NotFound, exactly as an id that does not exist, and lists
+    leave it out. The admin reaches everything."""
+
+    def __init__(self, manager: SandboxManager, clock=None):
         self.manager = manager
         self.settings: Settings = manager.settings
+        self.tenants = Tenants(manager.store, self.settings, **({"clock": clock} if clock else {}))
+        self._pending: Dict[str, tuple] = {}  # sandbox id -> (tenant, memory_mb) of starts in flight
 
     # -- reading -------------------------------------------------------------------
-    def get(self, sandbox_id: str) -> Sandbox:
-        return self.manager.get(sandbox_id)
+    def get(self, sandbox_id: str, who: Principal = ADMIN) -> Sandbox:
+        sb = self.manager.sandboxes.get(sandbox_id)
+        if sb is None or not who.sees(sb.record.owner):
+            raise NotFound(f"Sandbox does not exist: {sandbox_id}")
+        return sb
 
-    def list(self) -> List[Sandbox]:
-        return self.manager.list()
+    def list(self, who: Principal = ADMIN) -> List[Sandbox]:
+        return [sb for sb in self.manager.list() if who.sees(sb.record.owner)]
 
     def kernelspecs(self) -> dict:
         return self.manager.specs.model()
@@ -118,20 +135,23 @@ class SandboxService:
         except KeyError:
             raise NotFound(f"Kernel spec {name} not found") from None
 
-    def checkpoint_get(self, cid: str) -> Checkpoint:
+    def checkpoint_get(self, cid: str, who: Principal = ADMIN) -> Checkpoint:
         try:
-            return self.manager.checkpoints.get(cid)
-        except KeyError:
+            cp = self.manager.checkpoints.get(cid)
+        except (KeyError, ValueError, OSError):
             raise NotFound(f"No such checkpoint: {cid}") from None
+        if not who.sees(cp.owner):
+            raise NotFound(f"No such checkpoint: {cid}")
+        return cp
 
-    def checkpoints(self, sandbox_id: str) -> List[dict]:
-        self.get(sandbox_id)
-        return [c.summary() for c in self.manager.checkpoints.list(sandbox=sandbox_id)]
+    def checkpoints(self, sandbox_id: str, who: Principal = ADMIN) -> List[dict]:
+        self.get(sandbox_id, who)
+        return [c.summary() for c in self.manager.checkpoints.list(sandbox=sandbox_id, owner=who.tenant)]
 
-    def tree(self) -> dict:
-        nodes = [{"kind": "checkpoint", **c.summary()} for c in self.manager.checkpoints.list()]
+    def tree(self, who: Principal = ADMIN) -> dict:
+        nodes = [{"kind": "checkpoint", **c.summary()} for c in self.manager.checkpoints.list(owner=who.tenant)]
         nodes += [{"kind": "sandbox", "id": sb.id, "parent": sb.record.origin, "state": sb.state.value}
-                  for sb in self.list()]
+                  for sb in self.list(who)]
         return {"nodes": nodes}
 
     # -- creating ------------------------------------------------------------------
@@ -160,9 +180,43 @@ class SandboxService:
                 raise BadRequest(f"env: {k!r} is not a variable name, or its value holds a NUL byte")
         return {k: v for k, v in requested.items() if k.startswith("KERNEL_") or k in allow}
 
-    async def start(self, req: StartRequest) -> Sandbox:
+    def usage(self, tenant: str) -> tuple:
+        """(sandboxes, memory_mb) a tenant has, counting starts in flight."""
+        count = mem = 0
+        for sb in self.manager.sandboxes.values():
+            if sb.record.owner == tenant and sb.id not in self._pending:
+                count, mem = count + 1, mem + sb.record.limits.memory_mb
+        for owner, m in self._pending.values():
+            if owner == tenant:
+                count, mem = count + 1, mem + m
+        return count, mem
+
+    async def _admit(self, who: Principal, memory_mb: int) -> Optional[str]:
+        """A tenant's quotas and creation rate, checked before a start: the id
+        the new sandbox will have (counted from now on, until its start ends),
+        or LimitReached naming the quota, or RateLimited. None for the admin."""
+        if who.admin:
+            return None
+        rec = await self.tenants.get(who.tenant)
+        max_sandboxes, max_memory = self.tenants.quotas(rec)
+        count, mem = self.usage(who.tenant)  # from here to the reservation nothing awaits
+        if max_sandboxes and count + 1 > max_sandboxes:
+            raise LimitReached(f"tenant {who.tenant} has {count} sandboxes, its quota max_sandboxes is {max_sandboxes}")
+        if max_memory and mem + memory_mb > max_memory:
+            raise LimitReached(f"tenant {who.tenant}'s sandboxes would use {mem + memory_mb} MB of memory "
+                               f"({mem} MB now + {memory_mb} MB), above its quota max_memory_mb of {max_memory}")
+        wait = self.tenants.take_creation(who.tenant)
+        if wait:
+            raise RateLimited(f"tenant {who.tenant} creates sandboxes too fast: at most "
+                              f"{_num(self.settings.tenant_create_rate)} a minute, {self.settings.tenant_create_burst} "
+                              f"at once (SANDGATE_TENANT_CREATE_RATE); retry in {math.ceil(wait)} s", wait)
+        sid = str(uuid.uuid4())
+        self._pending[sid] = (who.tenant, memory_mb)
+        return sid
+
+    async def start(self, req: StartRequest, who: Principal = ADMIN) -> Sandbox:
         specs = self.manager.specs
-        cp = self.checkpoint_get(req.checkpoint) if req.checkpoint else None
+        cp = self.checkpoint_get(req.checkpoint, who) if req.checkpoint else None
         name = req.kernel_name
         if req.driver:
             name = f"python3-{req.driver}"
@@ -184,51 +238,121 @@ class SandboxService:
             limits = source.record.limits  # a fork keeps its parent's limits...
         if source and not req.env:
             env = source.record.env  # ...and environment
-        return await self.manager.start(spec.name, spec.driver, env, limits, labels=req.labels, ttl=self.ttl(req.ttl),
-                                        checkpoint=cp, owner=req.owner)
+        ttl = self.ttl(req.ttl)
+        sid = await self._admit(who, limits.memory_mb)
+        return await self._start(who, sid, spec.name, spec.driver, env, limits, req.labels, ttl, cp, who.owner)
 
-    async def fork(self, sandbox_id: str, checkpoint: Optional[str] = None) -> Sandbox:
+    async def _start(self, who: Principal, sid: Optional[str], *args) -> Sandbox:
+        try:
+            sb = await self.manager.start(*args, sandbox_id=sid)
+        finally:
+            if sid:
+                self._pending.pop(sid, None)
+        if not who.admin and await self.manager.store.get_tenant(who.tenant) is None:
+            # The tenant was deleted while this started: it goes with the rest of its sandboxes.
+            try:
+                await self.manager.delete(sb.id)
+            except NotFound:
+                pass  # the tenant's delete found it first
+            raise NotFound(f"No such tenant: {who.tenant}")
+        return sb
+
+    async def fork(self, sandbox_id: str, checkpoint: Optional[str] = None, who: Principal = ADMIN) -> Sandbox:
         """A second running copy: from one of its checkpoints, or from now."""
-        source = self.get(sandbox_id)
-        if checkpoint is None:
-            checkpoint = (await source.checkpoint("fork")).id
-        elif self.checkpoint_get(checkpoint).sandbox != sandbox_id:
+        source = self.get(sandbox_id, who)
+        if checkpoint is not None and self.checkpoint_get(checkpoint, who).sandbox != sandbox_id:
             raise NotFound(f"No such checkpoint: {checkpoint}")  # forking through another's id is a mistake
-        return await self.start(StartRequest(kernel_name=source.record.kernel_name, checkpoint=checkpoint,
-                                             owner=source.record.owner))
+        r = source.record
+        sid = await self._admit(who, r.limits.memory_mb)  # before a checkpoint is taken for it
+        try:
+            spec = self.manager.specs.get(r.kernel_name)
+            cp = self.checkpoint_get(checkpoint, who) if checkpoint else await source.checkpoint("fork")
+        except KeyError:
+            self._pending.pop(sid, None)
+            raise NotFound(f"No such kernel named {r.kernel_name}") from None
+        except BaseException:
+            self._pending.pop(sid, None)
+            raise
+        return await self._start(who, sid, spec.name, spec.driver, r.env, r.limits, {}, self.ttl(None), cp, r.owner)
+
+    # -- tenants (the admin's) ---------------------------------------------------------
+    def _admin(self, who: Principal) -> None:
+        if not who.admin:
+            raise Forbidden("only the admin (the gateway's token) manages tenants")
+
+    def tenant_model(self, rec: TenantRecord) -> dict:
+        max_sandboxes, max_memory = self.tenants.quotas(rec)
+        count, mem = self.usage(rec.name)
+        return TenantModel(name=rec.name, max_sandboxes=max_sandboxes, max_memory_mb=max_memory, created=rec.created,
+                           sandboxes=count, memory_mb=mem).model_dump()
+
+    async def create_tenant(self, body: TenantCreate, who: Principal = ADMIN) -> dict:
+        """The tenant's model and its token; the token is not kept, only its hash."""
+        self._admin(who)
+        left = [sb.id for sb in self.manager.list() if sb.record.owner == body.name]
+        left += [c.id for c in self.manager.checkpoints.list(owner=body.name)]
+        if left and await self.manager.store.get_tenant(body.name) is None:
+            # A deleted tenant's checkpoint an admin's sandbox started from: the name would inherit it.
+            raise Conflict(f"tenant name {body.name} is still the owner of {', '.join(left[:5])} (from a deleted "
+                           "tenant of that name); delete those or pick another name", code="exists")
+        rec, token = await self.tenants.create(body)
+        log.info("tenant %s created", rec.name)
+        return {**self.tenant_model(rec), "token": token}
+
+    async def list_tenants(self, who: Principal = ADMIN) -> List[dict]:
+        self._admin(who)
+        return [self.tenant_model(r) for r in await self.tenants.list()]
+
+    async def get_tenant(self, name: str, who: Principal = ADMIN) -> dict:
+        self._admin(who)
+        return self.tenant_model(await self.tenants.get(name))
+
+    async def delete_tenant(self, name: str, who: Principal = ADMIN) -> dict:
+        """The tenant, its token, and every sandbox it has (with their
+        checkpoints, unless an admin's sandbox started from one)."""
+        self._admin(who)
+        await self.tenants.delete(name)  # its token fails from now on
+        ids = [sb.id for sb in self.manager.list() if sb.record.owner == name]
+        results = await asyncio.gather(*(self.manager.delete(i) for i in ids), return_exceptions=True)
+        for i, r in zip(ids, results):
+            if isinstance(r, Exception) and not isinstance(r, NotFound):
+                log.warning("tenant %s deleted: sandbox %s: %s", name, i, r)
+        log.info("tenant %s deleted with %d sandboxes", name, len(ids))
+        return {"name": name, "sandboxes_deleted": ids}
 
     # -- lifecycle -------------------------------------------------------------------
-    async def delete(self, sandbox_id: str) -> None:
+    async def delete(self, sandbox_id: str, who: Principal = ADMIN) -> None:
+        self.get(sandbox_id, who)
         await self.manager.delete(sandbox_id)
 
-    async def checkpoint(self, sandbox_id: str, name: str = "") -> Checkpoint:
-        return await self.get(sandbox_id).checkpoint(name)
+    async def checkpoint(self, sandbox_id: str, name: str = "", who: Principal = ADMIN) -> Checkpoint:
+        return await self.get(sandbox_id, who).checkpoint(name)
 
-    async def pause(self, sandbox_id: str, mode: str = "disk") -> Sandbox:
-        sb = self.get(sandbox_id)
+    async def pause(self, sandbox_id: str, mode: str = "disk", who: Principal = ADMIN) -> Sandbox:
+        sb = self.get(sandbox_id, who)
         await sb.pause(mode)
         return sb
 
-    async def resume(self, sandbox_id: str) -> Sandbox:
-        sb = self.get(sandbox_id)
+    async def resume(self, sandbox_id: str, who: Principal = ADMIN) -> Sandbox:
+        sb = self.get(sandbox_id, who)
         await sb.resume()
         return sb
 
-    async def restart(self, sandbox_id: str) -> Sandbox:
-        sb = self.get(sandbox_id)
+    async def restart(self, sandbox_id: str, who: Principal = ADMIN) -> Sandbox:
+        sb = self.get(sandbox_id, who)
         await sb.restart()
         return sb
 
-    async def interrupt(self, sandbox_id: str) -> None:
-        await self.get(sandbox_id).interrupt()
+    async def interrupt(self, sandbox_id: str, who: Principal = ADMIN) -> None:
+        await self.get(sandbox_id, who).interrupt()
 
     async def execute(self, sandbox_id: str, code: str, timeout: float,
-                      on_output: Optional[OutputCallback] = None) -> dict:
-        return await self.get(sandbox_id).execute(code, timeout, on_output)
+                      on_output: Optional[OutputCallback] = None, who: Principal = ADMIN) -> dict:
+        return await self.get(sandbox_id, who).execute(code, timeout, on_output)
 
     # -- files --------------------------------------------------------------------------
-    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b""):
-        sb = self.get(sandbox_id)
+    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN):
+        sb = self.get(sandbox_id, who)
         async with sb.lock:  # no pause or checkpoint takes the link away mid-request
             await sb._run_again()
             sb.last_activity = utcnow()  # file work is use: not idle
@@ -237,19 +361,20 @@ class SandboxService:
             except AgentError as e:
                 raise file_error(e, args.get("path", "")) from None
 
-    async def list_files(self, sandbox_id: str, path: str) -> dict:
-        return (await self._agent(sandbox_id, "file_list", {"path": path}))[0]
+    async def list_files(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> dict:
+        return (await self._agent(sandbox_id, "file_list", {"path": path}, who=who))[0]
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return (await self._agent(sandbox_id, "file_read", {"path": path}))[1]
+    async def read_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> bytes:
+        return (await self._agent(sandbox_id, "file_read", {"path": path}, who=who))[1]
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> dict:
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, who: Principal = ADMIN) -> dict:
+        self.get(sandbox_id, who)  # 404 before 400: nothing said about a sandbox it cannot see
         if not path or path.endswith("/"):
             raise BadRequest("a file path is required")
-        return {"path": path, **(await self._agent(sandbox_id, "file_write", {"path": path}, data))[0]}
+        return {"path": path, **(await self._agent(sandbox_id, "file_write", {"path": path}, data, who=who))[0]}
 
-    async def delete_file(self, sandbox_id: str, path: str) -> None:
-        await self._agent(sandbox_id, "file_delete", {"path": path})
+    async def delete_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> None:
+        await self._agent(sandbox_id, "file_delete", {"path": path}, who=who)
 
 
 def file_error(e: AgentError, path: str) -> SandgateError:
@@ -268,4 +393,5 @@ def file_error(e: AgentError, path: str) -> SandgateError:
     return SandgateError(f"{e.code}: {text}")
 
 
-__all__ = ["SandboxService", "StartRequest", "LimitsRequest", "SandboxModel", "sandbox_model", "Conflict"]
+__all__ = ["SandboxService", "StartRequest", "LimitsRequest", "SandboxModel", "sandbox_model", "Conflict", "Principal",
+           "ADMIN", "TenantCreate"]

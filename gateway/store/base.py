@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Dict, List, Optional
 
-from ..core.record import SandboxRecord
+from ..core.record import SandboxRecord, TenantRecord
 from ..core.states import State
 
 
@@ -37,6 +37,23 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, node: Optional[str] = None) -> List[SandboxRecord]: ...
+
+    # Tenants: one record per name (core/record.py TenantRecord, with the
+    # token's salted hash, never the token). A fleet store shares them across
+    # nodes; ``create_tenant`` must be atomic (Redis: SET NX / HSETNX).
+    @abc.abstractmethod
+    async def create_tenant(self, record: TenantRecord) -> bool:
+        """Write ``record`` if no tenant has its name; False (nothing written) otherwise."""
+
+    @abc.abstractmethod
+    async def get_tenant(self, name: str) -> Optional[TenantRecord]: ...
+
+    @abc.abstractmethod
+    async def list_tenants(self) -> List[TenantRecord]: ...
+
+    @abc.abstractmethod
+    async def delete_tenant(self, name: str) -> bool:
+        """Remove it; False if there was none."""
 
     # Node liveness. The embedded store has one node, alive while it runs.
     async def heartbeat(self, node: str, ttl: float, info: Optional[dict] = None) -> None:

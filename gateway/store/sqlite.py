@@ -12,7 +12,7 @@ import sqlite3
 from pathlib import Path
 from typing import List, Optional
 
-from ..core.record import SandboxRecord
+from ..core.record import SandboxRecord, TenantRecord
 from ..core.states import State
 from .base import SessionStore
 
@@ -23,7 +23,11 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     state TEXT NOT NULL,
     version INTEGER NOT NULL,
     record TEXT NOT NULL
-)
+);
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
 """
 
 
@@ -34,7 +38,7 @@ class SQLiteStore(SessionStore):
         self.db = sqlite3.connect(str(path), isolation_level=None)  # autocommit; one statement each
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute(SCHEMA)
+        self.db.executescript(SCHEMA)
         path.chmod(0o600)
 
     async def get(self, sandbox_id: str) -> Optional[SandboxRecord]:
@@ -63,6 +67,21 @@ class SQLiteStore(SessionStore):
         if node is not None:
             q, args = q + " WHERE node = ?", (node,)
         return [SandboxRecord.model_validate_json(r[0]) for r in self.db.execute(q + " ORDER BY rowid", args)]
+
+    async def create_tenant(self, record: TenantRecord) -> bool:
+        cur = self.db.execute("INSERT OR IGNORE INTO tenants (name, record) VALUES (?, ?)",
+                              (record.name, record.model_dump_json()))
+        return cur.rowcount == 1
+
+    async def get_tenant(self, name: str) -> Optional[TenantRecord]:
+        row = self.db.execute("SELECT record FROM tenants WHERE name = ?", (name,)).fetchone()
+        return TenantRecord.model_validate_json(row[0]) if row else None
+
+    async def list_tenants(self) -> List[TenantRecord]:
+        return [TenantRecord.model_validate_json(r[0]) for r in self.db.execute("SELECT record FROM tenants ORDER BY name")]
+
+    async def delete_tenant(self, name: str) -> bool:
+        return self.db.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount == 1
 
     async def close(self) -> None:
         self.db.close()
