@@ -843,7 +843,12 @@ class Agent:
             info = await self.kernel_info()
         self.ready.set()
         # The listener was closed before the checkpoint: open it again (or keep it closed).
-        await self.set_egress(a.egress or P.EgressArgs())
+        # A failure here costs the sandbox its egress, not its restore.
+        try:
+            await self.set_egress(a.egress or P.EgressArgs())
+        except Exception as e:
+            log(f"could not restore egress: {type(e).__name__}: {e}")
+            info = {**info, "egress_error": f"{type(e).__name__}: {e}"}
         return info, b""
 
     async def set_egress(self, a) -> dict:
@@ -1010,6 +1015,10 @@ async def stdio_streams():
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    try:  # as the init of any Linux would: code inside may use loopback (and egress does)
+        loopback_up()
+    except OSError as e:
+        log(f"cannot bring the loopback interface up: {e}")
     agent = Agent(args)
     info = await agent.start_kernel()
     ready = P.encode(P.EventFrame(event="ready", data=info))

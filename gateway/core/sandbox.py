@@ -268,6 +268,9 @@ class Sandbox:
             exited.cancel()
             await self.teardown()
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
+        if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
+            log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
+                        ready.result()[0]["egress_error"])
         if not restore_from and self.record.env and not self.driver.env_at_boot:
             await self.setup(self.record.env)
         if not restore_from and self._egress_args():
