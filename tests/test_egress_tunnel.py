@@ -41,6 +41,7 @@ from sandgate_agent import tunnel as T
 UPSTREAM_IP, PROXY_IP = "127.0.0.4", "127.0.0.3"
 HOST = "upstream.test"
 BIG = 3 << 20  # bytes in /big: a dozen windows
+HUGE = 32 << 20  # bytes in /huge, for a client that stops reading
 
 
 def big_body() -> bytes:
@@ -68,6 +69,17 @@ class Upstream(http.server.BaseHTTPRequestHandler):
             Upstream.slow_release.wait(120)
             try:
                 self.wfile.write(b"x" * 990)
+            except OSError:
+                pass
+            return
+        if self.path.startswith("/huge"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(HUGE))
+            self.end_headers()
+            block = b"h" * (1 << 20)
+            try:
+                for _ in range(HUGE >> 20):
+                    self.wfile.write(block)
             except OSError:
                 pass
             return
@@ -286,6 +298,63 @@ with urllib.request.build_opener().open({env.http + '/big'!r}, timeout=120) as _
 print(len(_b), hashlib.sha256(_b).hexdigest())
 """, timeout=240)
     assert out.split() == [str(BIG), digest]
+
+
+def test_stalled_client_is_held_back_and_kernel_answers(env, sandbox):
+    """A client inside that stops reading a 32 MiB download: the gateway
+    stops sending after a window (plus socket buffers), cells still run
+    at once, and once the client reads again all of it arrives."""
+    cell(env, sandbox, f"""
+import threading, urllib.request
+_stall = threading.Event()
+_huge = {{}}
+def _go():
+    try:
+        with urllib.request.build_opener().open({env.http + '/huge'!r}, timeout=120) as _r:
+            _huge['first'] = len(_r.read(1))
+            _stall.wait(120)
+            _huge['rest'] = len(_r.read())
+    except Exception as _e:
+        _huge['error'] = repr(_e)
+threading.Thread(target=_go, daemon=True).start()
+""")
+    deadline = time.monotonic() + 60
+    while "first" not in json.loads(cell(env, sandbox, "import json; print(json.dumps(_huge))")):
+        assert time.monotonic() < deadline, "the download never started"
+    conns = list(sandbox.link.tunnels.conns.values())
+    assert len(conns) == 1
+    t0 = time.monotonic()
+    assert cell(env, sandbox, "print(6 * 7)") == "42\n"  # kernel messages pass the stalled connection
+    assert time.monotonic() - t0 < 10
+    sent = conns[0].sent
+    assert sent < HUGE // 2, sent  # held back: a window plus what the sockets buffer, not the whole body
+    assert conns[0].credit < T.WINDOW  # waiting for the client, not idle
+    cell(env, sandbox, "_stall.set()")
+    deadline = time.monotonic() + 240
+    while True:
+        got = json.loads(cell(env, sandbox, "import json; print(json.dumps(_huge))"))
+        if "rest" in got or "error" in got or time.monotonic() > deadline:
+            break
+    assert got.get("first", 0) + got.get("rest", 0) == HUGE, got
+
+
+def test_proxy_unreachable_fails_fast(env, sandbox):
+    """The gateway cannot reach the proxy: the client inside gets the
+    connection closed at once, no hang, and the next request works again."""
+    hook = env.svc.manager.egress
+    real = hook.connect
+
+    async def refuse(sandbox_id):
+        raise ConnectionRefusedError("the egress proxy is down (test)")
+
+    hook.connect = refuse
+    try:
+        t0 = time.monotonic()
+        out = fetch(env, sandbox, env.http + "/down")
+        assert out.startswith("FAILED") and time.monotonic() - t0 < 30, out
+    finally:
+        hook.connect = real
+    assert fetch(env, sandbox, env.http + "/up") == "200 hello from upstream /up"
 
 
 def test_off_and_on_while_running(env, sandbox):

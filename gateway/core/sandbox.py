@@ -379,7 +379,7 @@ class Sandbox:
         # listener and every tunnelled connection (their clients get a reset),
         # and opens the listener again after the restore (`reconnect`).
         egress = self._egress_args()
-        if egress:
+        if self.record.egress_port is not None:  # (even with no hook now: the agent may still listen)
             try:
                 await self.link.request("quiesce", timeout=30)
             except AgentError as e:
