@@ -278,7 +278,10 @@ def test_http_https_and_env(env, sandbox):
     assert not bundle.startswith("/workspace")
     # the bundle is the system's plus the test CA: both verify
     text = cell(env, sandbox, f"print(open({bundle!r}).read())")
-    assert "sandgate test egress CA" not in text  # PEM, not text: check by loading
+    assert env.svc.manager.egress.ca_pem.strip() in text
+    # the sandbox user can read it, not change it
+    assert cell(env, sandbox, f"import os; print(os.access({bundle!r}, os.W_OK), "
+                              f"os.access(os.path.dirname({bundle!r}), os.W_OK))") == "False False\n"
     n = cell(env, sandbox, f"import ssl; c = ssl.create_default_context(cafile={bundle!r}); "
                            "print(len(c.get_ca_certs()))")
     assert int(n) > 50  # Debian's roots and ours
