@@ -9,14 +9,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from sandgate_agent import protocol as P
+from sandgate_agent import tunnel as T
 
 log = logging.getLogger("sandgate.agent_link")
 
 KernelCallback = Callable[[str, List[bytes]], None]
 EventCallback = Callable[[P.EventFrame], None]
+# Opens the host side of one egress connection the agent carries (the egress
+# proxy's); see core/tunnel.py.
+TunnelOpener = Callable[[], Awaitable[Tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
 class AgentError(Exception):
@@ -37,9 +41,12 @@ def _code_of(error: str) -> str:
 
 class AgentLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 on_kernel: KernelCallback, on_event: EventCallback):
+                 on_kernel: KernelCallback, on_event: EventCallback, tunnel_opener: Optional[TunnelOpener] = None):
         self.reader, self.writer = reader, writer
         self.on_kernel, self.on_event = on_kernel, on_event
+        # Egress connections the agent carries on this stream; without an
+        # opener every `open` is refused.
+        self.tunnels = T.Mux(self._send_frame, tunnel_opener)
         self._ids = itertools.count(1)
         self._pending: Dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -61,6 +68,8 @@ class AgentLink:
                     if frame.event == "ready" and not self.ready.done():
                         self.ready.set_result(frame.data)
                     self.on_event(frame)
+                elif isinstance(frame, P.TunnelFrame):
+                    self.tunnels.on_frame(frame, payload)
         except EOFError:
             pass
         except P.ProtocolError as e:
@@ -75,6 +84,8 @@ class AgentLink:
             self._fail(reason)
 
     def _fail(self, reason: str) -> None:
+        # Every tunnelled connection ends with the stream (the agent aborts its side).
+        asyncio.ensure_future(self.tunnels.close_all(reason, tell_peer=False))
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(AgentError(reason))
@@ -84,6 +95,14 @@ class AgentLink:
             self.ready.exception()  # retrieved: nobody may be awaiting it
         if not self.closed.done():
             self.closed.set_result(reason)
+
+    async def _send_frame(self, data: bytes) -> None:
+        """One tunnel frame. Its connection waits for the pipe to drain; kernel
+        messages (send_kernel) never do."""
+        if self.closed.done():
+            raise ConnectionError("agent stream is closed")
+        self.writer.write(data)
+        await self.writer.drain()
 
     def send_kernel(self, channel: str, parts: List[bytes]) -> None:
         if self.closed.done():

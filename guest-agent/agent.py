@@ -40,8 +40,10 @@ from jupyter_client.session import Session
 
 try:
     from . import protocol as P
+    from . import tunnel as T
 except ImportError:  # run as a script
     import protocol as P  # type: ignore
+    import tunnel as T  # type: ignore
 
 DELIM = b"<IDS|MSG>"
 OWN = b"sandgate-agent-"  # msg_id prefix of the agent's own kernel requests
@@ -160,6 +162,106 @@ class Outbox:
 
     def detach(self) -> None:
         self.writer = None
+
+
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up if it is down: a VM's kernel leaves it down and its
+    init does not touch it (gVisor's --network=none has it up already). The
+    kernel gives an up loopback 127.0.0.1/8 by itself."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+        if not flags & IFF_UP:
+            fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+            log("brought the loopback interface up")
+
+
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+NO_PROXY = "localhost,127.0.0.1,::1"
+
+
+class Egress:
+    """The sandbox's way out: a listener on 127.0.0.1:PORT, owned by the agent,
+    that code inside uses as its HTTP(S) proxy; each connection is carried
+    over the stream (tunnel.Mux) to the gateway, which hands it to the egress
+    proxy outside. No network device is involved.
+
+    This runsc cannot checkpoint a TCP socket, listening or not, so
+    ``quiesce`` closes the listener and every connection before a checkpoint
+    (clients get a reset), and ``apply`` (from ``egress`` or ``reconnect``)
+    opens the listener again."""
+
+    def __init__(self, out: "Outbox", ca_dir: str):
+        self.mux = T.Mux(out.send)
+        self.server: asyncio.base_events.Server | None = None
+        self.port: int | None = None
+        self.ca_pem = ""
+        self.ca_dir = ca_dir
+        self.env: dict[str, str] = {}  # what the agent and the kernel have now
+
+    def env_for(self, port: int | None, bundle: str | None) -> dict[str, str]:
+        if port is None:
+            return {}
+        proxy = f"http://127.0.0.1:{port}"
+        env = {k: proxy for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+        env.update(NO_PROXY=NO_PROXY, no_proxy=NO_PROXY)
+        if bundle:
+            env.update({k: bundle for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")})
+        return env
+
+    def write_bundle(self, ca_pem: str) -> str:
+        """The image's system bundle plus the proxy's CA, in a directory of the
+        agent's own (root's, made before the kernel ran), not the workspace."""
+        st = os.lstat(self.ca_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionError(f"refusing to write the CA bundle: {self.ca_dir} is not the agent's directory")
+        try:
+            with open(SYSTEM_CA_BUNDLE, "rb") as f:
+                system = f.read()
+        except OSError:
+            system = b""
+        path = os.path.join(self.ca_dir, "ca-bundle.pem")
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(system.rstrip(b"\n") + b"\n" + ca_pem.strip().encode() + b"\n")
+        os.replace(tmp, path)
+        return path
+
+    async def apply(self, port: int | None, ca_pem: str) -> dict[str, str]:
+        """Make the listener match (open, move, close); returns the env to set."""
+        if port != self.port:
+            await self.close("egress turned off" if port is None else "egress moved to another port")
+        self.port = port
+        if port is not None and self.server is None:
+            try:
+                loopback_up()
+            except OSError as e:
+                log(f"cannot bring the loopback interface up: {e}")
+            self.server = await asyncio.start_server(self.accept, "127.0.0.1", port, reuse_address=True)
+        bundle = None
+        if port is not None and ca_pem:
+            bundle = self.write_bundle(ca_pem) if ca_pem != self.ca_pem or "SSL_CERT_FILE" not in self.env \
+                else self.env["SSL_CERT_FILE"]
+        self.ca_pem = ca_pem if port is not None else ""
+        return self.env_for(port, bundle)
+
+    async def close(self, why: str) -> int:
+        """Close the listener and abort every connection (the port is kept:
+        ``apply`` reopens it)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        return await self.mux.close_all(why)
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.server is None or self.mux.full():
+            T._abort(writer)
+            return
+        await self.mux.connect(reader, writer)
 
 
 class KernelProcess:
@@ -538,6 +640,9 @@ class Agent:
         self.pumps: list[asyncio.Future] = []
         self.malformed, self.malformed_logged = 0, 0.0  # messages from the kernel dropped, not yet logged
         self.restored_at = b""  # the host's clock sent with the last reconnect
+        ca_dir = args.runtime_dir.rstrip("/") + "-egress"  # made now, before any code of the user runs
+        os.makedirs(ca_dir, mode=0o755, exist_ok=True)
+        self.egress = Egress(self.out, ca_dir)
 
     def connect_kernel(self) -> None:
         for t in self.pumps:
@@ -686,12 +791,16 @@ class Agent:
                     await self.kernel.send(frame.channel, P.split_parts(frame, payload))
                 elif isinstance(frame, P.RequestFrame):
                     asyncio.ensure_future(self.answer(frame, payload))
+                elif isinstance(frame, P.TunnelFrame):
+                    self.egress.mux.on_frame(frame, payload)
         except P.ProtocolError as e:
             log(f"protocol error, dropping the connection: {e}")
             return f"protocol error from the gateway: {e}"
         finally:
             if self.out.writer is writer:
                 self.out.detach()
+            # Tunnelled connections live on one stream: the next gateway knows none of them.
+            await self.egress.mux.close_all("the gateway's stream ended", tell_peer=False)
 
     async def answer(self, req: P.RequestFrame, payload: bytes) -> None:
         data = b""
@@ -710,7 +819,8 @@ class Agent:
         alive = self.kernel.proc is not None and self.kernel.proc.returncode is None
         return {"kernel_alive": alive, "kernel_responding": alive and await self.kernel.heartbeat(),
                 "pid": self.kernel.proc.pid if self.kernel.proc else None,
-                "buffered": len(self.out.buffer), "agent_version": P.VERSION}, b""
+                "buffered": len(self.out.buffer), "agent_version": P.VERSION,
+                "tunnels": len(self.egress.mux.conns), "egress_port": self.egress.port if self.egress.server else None}, b""
 
     async def op_reconnect(self, a, _):
         """Sent by the gateway after restoring a checkpoint: the kernel must
@@ -732,7 +842,47 @@ class Agent:
             self.connect_kernel()
             info = await self.kernel_info()
         self.ready.set()
+        # The listener was closed before the checkpoint: open it again (or keep it closed).
+        # A failure here costs the sandbox its egress, not its restore.
+        try:
+            await self.set_egress(a.egress or P.EgressArgs())
+        except Exception as e:
+            log(f"could not restore egress: {type(e).__name__}: {e}")
+            info = {**info, "egress_error": f"{type(e).__name__}: {e}"}
         return info, b""
+
+    async def set_egress(self, a) -> dict:
+        env = await self.egress.apply(a.port, a.ca_pem)
+        old = self.egress.env
+        if env != old:
+            gone = [k for k in old if k not in env]
+            await self.kernel_env(env, gone)
+            self.egress.env = env
+        return env
+
+    async def kernel_env(self, env: dict, unset: list) -> None:
+        """Set (and unset) environment variables in the agent (so commands
+        and a restarted kernel get them) and in the running kernel."""
+        os.environ.update(env)
+        for k in unset:
+            os.environ.pop(k, None)
+        await self.ready.wait()
+        code = ("import os as _sg_os\n"
+                f"_sg_os.environ.update({json.dumps(env)})\n"
+                f"for _sg_k in {json.dumps(unset)}: _sg_os.environ.pop(_sg_k, None)\n"
+                "del _sg_os" + (", _sg_k" if unset else ""))
+        reply = await self.own_request("execute_request", {"code": code, "silent": True, "store_history": False}, 30)
+        if reply.get("status") != "ok":
+            raise RuntimeError(f"could not set the kernel's environment: {reply.get('ename')}: {reply.get('evalue')}")
+
+    async def op_egress(self, a, _):
+        env = await self.set_egress(a)
+        return {"port": self.egress.port if self.egress.server else None, "env": env}, b""
+
+    async def op_quiesce(self, a, _):
+        """Before a checkpoint: no TCP socket of the agent's may be in it."""
+        closed = await self.egress.close("the sandbox is being checkpointed")
+        return {"closed": closed}, b""
 
     async def op_setup(self, a, _):
         """Make a sandbox restored from a shared checkpoint its own: its
@@ -865,6 +1015,10 @@ async def stdio_streams():
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    try:  # as the init of any Linux would: code inside may use loopback (and egress does)
+        loopback_up()
+    except OSError as e:
+        log(f"cannot bring the loopback interface up: {e}")
     agent = Agent(args)
     info = await agent.start_kernel()
     ready = P.encode(P.EventFrame(event="ready", data=info))

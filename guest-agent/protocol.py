@@ -75,8 +75,27 @@ class EventFrame(BaseModel):
     data: Dict[str, Any] = {}
 
 
-Frame = Union[KernelFrame, RequestFrame, ResponseFrame, EventFrame]
-_BY_TYPE = {"kernel": KernelFrame, "request": RequestFrame, "response": ResponseFrame, "event": EventFrame}
+class TunnelFrame(BaseModel):
+    """One egress connection carried over the stream (guest-agent/tunnel.py).
+
+    ``conn`` is the connection's id, chosen by the agent when a client inside
+    connects to its listener. ``op``: ``open`` (agent -> gateway: a client
+    connected), ``data`` (either way; the payload is the bytes), ``ack`` (either
+    way: ``n`` more bytes of the other side's data were written on, so it may
+    send that much more), ``eof`` (either way: that side will send no more
+    data), ``close`` (either way: the connection is over, ``error`` says why
+    if it failed). Each side may have at most ``WINDOW`` bytes of data unacked."""
+
+    type: Literal["tunnel"] = "tunnel"
+    conn: int
+    op: Literal["open", "data", "ack", "eof", "close"]
+    n: int = 0
+    error: Optional[str] = None
+
+
+Frame = Union[KernelFrame, RequestFrame, ResponseFrame, EventFrame, TunnelFrame]
+_BY_TYPE = {"kernel": KernelFrame, "request": RequestFrame, "response": ResponseFrame, "event": EventFrame,
+            "tunnel": TunnelFrame}
 
 
 # Arguments of each request op. Paths are relative to the workspace.
@@ -99,9 +118,22 @@ class NoArgs(BaseModel):
     pass
 
 
+class EgressArgs(BaseModel):
+    """Egress through the stream: the agent listens on 127.0.0.1:``port`` and
+    carries each connection to the gateway's proxy; ``port`` None turns it off.
+    ``ca_pem``: the proxy's CA certificate, added to a bundle the sandbox's
+    TLS clients are pointed at."""
+
+    port: Optional[int] = None
+    ca_pem: str = ""
+
+
 class ReconnectArgs(BaseModel):
     clock: Optional[float] = None  # the host's time: a VM's clock stood still while it was saved
     entropy: str = ""  # hex from the host's CSPRNG: copies of one checkpoint must not share a random state
+    # The sandbox's egress after the restore (None: off). The listener was
+    # closed before the checkpoint (`quiesce`); this reopens it, or not.
+    egress: Optional[EgressArgs] = None
 
 
 class SetupArgs(BaseModel):
@@ -122,6 +154,8 @@ OP_ARGS = {
     "file_delete": PathArgs,
     "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr
     "sync": NoArgs,  # flush every file system's dirty pages to disk (before a VM's disk is checkpointed)
+    "egress": EgressArgs,  # open, change or close the egress listener; -> {port, env}
+    "quiesce": NoArgs,  # before a checkpoint: close the egress listener and every tunnelled connection
 }
 
 

@@ -32,6 +32,7 @@ from .record import SandboxRecord
 from .messages import utcnow
 from .sandbox import Sandbox
 from .states import State
+from .tunnel import EgressHook
 
 log = logging.getLogger("sandgate.manager")
 
@@ -52,6 +53,7 @@ class SandboxManager:
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
         self.stopping = False  # set by suspend_all: nothing wakes up any more
+        self.egress: Optional[EgressHook] = None  # the egress proxy, once one runs (core/tunnel.py)
 
     def rootfs(self) -> Path:
         if self._rootfs is None:

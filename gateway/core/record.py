@@ -31,6 +31,8 @@ class SandboxRecord(BaseModel):
     limits: Limits = Limits()
     labels: Dict[str, str] = {}
     env: Dict[str, str] = {}
+    # Egress on: the agent's proxy listener port inside the sandbox (core/tunnel.py); None: no egress.
+    egress_port: Optional[int] = None
     created: float = Field(default_factory=time.time)
     expires: Optional[float] = None  # epoch seconds; the culler deletes it after
     runtime: Optional[str] = None  # the driver's id of the running sandbox (runsc container, VM)

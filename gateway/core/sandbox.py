@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandgate.sandbox")
 
 
-def reconnect_args() -> dict:
+def reconnect_args(egress: Optional[dict] = None) -> dict:
     """For an agent restored from a checkpoint: the host's clock (a VM's stood
-    still) and fresh randomness (every copy of one checkpoint has the same)."""
-    return {"clock": time.time(), "entropy": os.urandom(32).hex()}
+    still), fresh randomness (every copy of one checkpoint has the same), and
+    its egress (the listener was closed for the checkpoint; None keeps it so)."""
+    return {"clock": time.time(), "entropy": os.urandom(32).hex(), "egress": egress}
 
 
 def setup_args(env: Dict[str, str]) -> dict:
@@ -247,7 +248,7 @@ class Sandbox:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
         exited = self._attach(runtime)
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
-        ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(),
+        ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(self._egress_args()),
                                                         timeout=s.kernel_start_timeout)
                                       if restore_from else self.link.ready)
         done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
@@ -265,8 +266,17 @@ class Sandbox:
             exited.cancel()
             await self.teardown()
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
+        if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
+            log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
+                        ready.result()[0]["egress_error"])
         if not restore_from and self.record.env and not self.driver.env_at_boot:
             await self.setup(self.record.env)
+        if not restore_from and self._egress_args():
+            try:
+                await self._apply_egress()
+            except AgentError as e:
+                await self.teardown()
+                raise Unavailable(f"sandbox {self.id}: its agent could not open its egress listener: {e}") from None
         # A cell that was running at the checkpoint runs on after the restore.
         self.activity = "busy" if self.pending else "idle"
         self.record = self.record.model_copy(update={"runtime": runtime.id})
@@ -275,7 +285,7 @@ class Sandbox:
     def _attach(self, runtime: Runtime) -> asyncio.Future:
         """Take ``runtime`` and a link to its agent; returns its exit, awaited."""
         self.runtime = runtime
-        self.link = AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event)
+        self.link = self._link(runtime)
         return asyncio.ensure_future(runtime.wait())
 
     async def adopt(self, runtime: Runtime) -> None:
@@ -293,6 +303,50 @@ class Sandbox:
                 raise Unavailable(f"its agent does not answer: {e}") from None
         self.activity = "idle"  # a cell still running says busy as its output arrives
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
+
+    # -- egress (core/tunnel.py) ----------------------------------------------
+    def _link(self, runtime: Runtime) -> AgentLink:
+        return AgentLink(runtime.reader, runtime.writer, self._on_kernel, self._on_event,
+                         tunnel_opener=self._open_tunnel)
+
+    async def _open_tunnel(self):
+        """The host side of one egress connection the agent carries."""
+        hook = self.manager.egress
+        if hook is None or self.record.egress_port is None:
+            raise ConnectionRefusedError("egress is off for this sandbox")
+        return await hook.connect(self.id)
+
+    def _egress_args(self) -> Optional[dict]:
+        """What the agent gets in `egress` and `reconnect`; None: no egress."""
+        hook = self.manager.egress
+        if hook is None or self.record.egress_port is None:
+            return None
+        return {"port": self.record.egress_port, "ca_pem": hook.ca_pem}
+
+    async def _apply_egress(self) -> None:
+        """The agent's listener and proxy environment to match the record."""
+        await self.link.request("egress", self._egress_args() or {"port": None}, timeout=30)
+        if self._egress_args() is None:
+            await self.link.tunnels.close_all("egress turned off")
+
+    async def set_egress(self, port: Optional[int]) -> None:
+        """Egress on (the agent's proxy listener on 127.0.0.1:``port`` inside,
+        HTTP(S)_PROXY pointing at it, the proxy's CA trusted) or off (None).
+        Applied now if the sandbox runs (a frozen one is thawed first), at its
+        resume if it is paused; kept in the record through checkpoints and
+        restarts. Without ``manager.egress`` set, nothing is opened."""
+        async with self.lock:
+            if self.state in (State.DEAD, State.DELETED):
+                raise self._conflict()
+            self.record = self.record.model_copy(update={"egress_port": port})
+            await self.save()
+            if self.state == State.FROZEN:
+                await self._resume()
+            if self.state == State.RUNNING and self.link:
+                try:
+                    await self._apply_egress()
+                except AgentError as e:
+                    raise Unavailable(f"sandbox {self.id}: its agent could not change its egress: {e}") from None
 
     async def teardown(self) -> None:
         """Stop the runtime, if any; files and record stay."""
@@ -341,9 +395,21 @@ class Sandbox:
         # host pipe that the checkpoint would leave behind.
         if not self.link:
             raise Unavailable(f"sandbox {self.id} has no runtime to checkpoint")
+        # This runsc cannot checkpoint a TCP socket: the agent closes its egress
+        # listener and every tunnelled connection (their clients get a reset),
+        # and opens the listener again after the restore (`reconnect`).
+        egress = self._egress_args()
+        if self.record.egress_port is not None:  # (even with no hook now: the agent may still listen)
+            try:
+                await self.link.request("quiesce", timeout=30)
+            except AgentError as e:
+                raise Unavailable(f"sandbox {self.id} cannot be checkpointed: its agent could not close its "
+                                  f"egress connections: {e}") from None
+            await self.link.tunnels.close_all("the sandbox is being checkpointed", tell_peer=False)
         try:
             await self.link.request("ping", timeout=30)
         except AgentError as e:
+            await self._reopen_egress(egress)
             raise Unavailable(f"sandbox {self.id} cannot be checkpointed: its agent does not answer: {e}") from None
         if self.driver.sync_before_checkpoint:
             try:
@@ -361,8 +427,10 @@ class Sandbox:
                     # The driver had to reconnect to the agent (Firecracker resets
                     # vsock on a snapshot): the link moves to the new stream.
                     await self.link.close()
-                    self.link = AgentLink(self.runtime.reader, self.runtime.writer, self._on_kernel, self._on_event)
-                    await self.link.request("reconnect", reconnect_args(), timeout=30)
+                    self.link = self._link(self.runtime)
+                    await self.link.request("reconnect", reconnect_args(egress), timeout=30)
+                else:
+                    await self._reopen_egress(egress)
                 self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
                 if isinstance(e, asyncio.CancelledError):
                     raise
@@ -377,6 +445,14 @@ class Sandbox:
         except asyncio.TimeoutError:
             pass
         await self.teardown()
+
+    async def _reopen_egress(self, egress: Optional[dict]) -> None:
+        """A checkpoint that did not happen: the listener opens again."""
+        if egress and self.link and not self.link.closed.done():
+            try:
+                await self.link.request("egress", egress, timeout=30)
+            except AgentError as e:
+                log.warning("sandbox %s: could not reopen its egress listener: %s", self.id, e)
 
     async def _stop(self, image_dir: Path) -> None:
         """``_stop_into`` from checkpointing or pausing; a failure leaves the
