@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from .drivers.base import Limits
 
@@ -51,6 +51,8 @@ class Settings(BaseModel):
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
     kernel_start_timeout: float = Field(120, gt=0)
+    # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
+    egress_ca_bundle: Optional[FilePath] = None
 
     ENV: ClassVar[Dict[str, str]] = {  # field -> variable; every flag of `sandgate serve` has one
         "ip": "SANDGATE_IP", "port": "SANDGATE_PORT", "token": "SANDGATE_TOKEN",
@@ -69,6 +71,7 @@ class Settings(BaseModel):
         "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES",
         "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
+        "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}
