@@ -129,7 +129,7 @@ class _Guard:
         verdict = sandbox.policy.decide_name(host, port) if sandbox else _no_policy(client.sandbox_id)
         if not verdict.allowed:
             _refuse(flow, 403, host, port, verdict.reason)
-            _log(_Request(client.sandbox_id, host, port, verdict), "CONNECT", None)
+            _log(_Request(client.sandbox_id, host, port, verdict), "CONNECT", 403)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         client = self.clients[flow.client_conn.id]
