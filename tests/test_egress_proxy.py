@@ -19,6 +19,7 @@ import json
 import logging
 import socket
 import ssl
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -425,6 +426,30 @@ async def test_placeholders_are_swapped_for_their_host_only(tmp_path, upstream, 
                                    headers={"Authorization": f"Bearer {ph}", "Host": "other.test"})
         assert status == 403 and SECRET.encode() not in body
     assert SECRET not in caplog.text
+
+
+@run
+async def test_curl_and_requests_work_unchanged_through_it(tmp_path, upstream):
+    import requests  # noqa: PLC0415 (only this test drives it)
+
+    port = upstream["https"]
+    secrets = [Secret(host="secure.test", value=SECRET, name="OPENAI_API_KEY")]
+    phs = placeholders(secrets)
+    async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream), secrets, phs) as (proxy, url):
+        ca = tmp_path / "sandbox-ca.pem"
+        ca.write_bytes(proxy.ca_certificate_pem())
+        curl = await asyncio.to_thread(subprocess.run, [
+            "curl", "-sS", "--max-time", "20", "--proxy", url, "--cacert", str(ca),
+            "-H", f"Authorization: Bearer {phs['OPENAI_API_KEY']}", f"https://secure.test:{port}/c"],
+            capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=True)
+        assert json.loads(curl.stdout)["headers"]["Authorization"] == f"Bearer {SECRET}"
+        refused = await asyncio.to_thread(subprocess.run, [
+            "curl", "-sS", "--max-time", "20", "--proxy", url, f"http://denied.test:{upstream['http']}/"],
+            capture_output=True, env={"PATH": "/usr/bin:/bin"})
+        assert b"no allow rule matched denied.test" in refused.stdout
+        r = await asyncio.to_thread(requests.get, f"https://secure.test:{port}/r", timeout=20, verify=str(ca),
+                                    proxies={"https": url, "http": url})
+        assert r.status_code == 200 and r.json()["path"] == "/r"
 
 
 # --- CA, logging --------------------------------------------------------------------------------
