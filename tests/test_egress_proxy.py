@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import requests
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -430,8 +431,6 @@ async def test_placeholders_are_swapped_for_their_host_only(tmp_path, upstream, 
 
 @run
 async def test_curl_and_requests_work_unchanged_through_it(tmp_path, upstream):
-    import requests  # noqa: PLC0415 (only this test drives it)
-
     port = upstream["https"]
     secrets = [Secret(host="secure.test", value=SECRET, name="OPENAI_API_KEY")]
     phs = placeholders(secrets)
