@@ -371,6 +371,27 @@ async def test_garbage_closes_only_its_own_connection(tmp_path, upstream):
 
 
 @run
+async def test_a_refused_request_with_a_large_body_is_cut_off_not_read(tmp_path, upstream, caplog):
+    caplog.set_level(logging.INFO, logger="sandgate.egress")
+    async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream)) as (proxy, _):
+        small = b"x" * 1000
+        reader, writer = await proxy.open(SID)
+        writer.write(f"POST http://denied.test:{upstream['http']}/ HTTP/1.1\r\nHost: denied.test:{upstream['http']}\r\n"
+                     f"Content-Length: {len(small)}\r\n\r\n".encode() + small)
+        head, body = await response(reader)
+        assert head.startswith(b"HTTP/1.1 403") and b"no allow rule matched" in body
+        writer.close()
+        # 1 GB announced, none of it sent: the proxy closes at once instead of waiting to hold it
+        reader, writer = await proxy.open(SID)
+        writer.write(f"POST http://denied.test:{upstream['http']}/ HTTP/1.1\r\nHost: denied.test:{upstream['http']}\r\n"
+                     f"Content-Length: {1 << 30}\r\n\r\n".encode())
+        with contextlib.suppress(ConnectionResetError):
+            assert await reader.read() == b""
+    assert any("POST denied.test" in r.getMessage() and "refused" in r.getMessage()
+               and "killed" in r.getMessage() for r in caplog.records)
+
+
+@run
 async def test_a_connection_not_opened_by_the_gateway_gets_nothing(tmp_path, upstream):
     async with proxy_and_bridge(tmp_path, upstream, policy_for(upstream)) as (proxy, _):
         reader, writer = await asyncio.open_connection(*proxy._address)

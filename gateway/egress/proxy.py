@@ -40,6 +40,9 @@ logger = logging.getLogger("sandgate.egress")
 
 Resolver = Callable[[str, int], Awaitable[List[IPAddress]]]
 RESOLVE_TIMEOUT = 10.0
+# mitmproxy answers a request only after reading its body, and holds that body in memory; a refused
+# request announcing more than this (or a chunked one, of unknown size) is cut off instead of answered
+REFUSED_BODY_MAX = 64 << 10
 _CA_BASENAME = "mitmproxy"  # the file names mitmproxy's CertStore reads from its confdir
 
 
@@ -153,7 +156,10 @@ class _Guard:
                     return
                 request.verdict = sandbox.policy.decide(host, port, addresses)
         if not request.verdict.allowed:
-            _refuse(flow, 403, host, port, request.verdict.reason)
+            if _large_body(flow.request):
+                flow.kill()  # logged by the error hook
+            else:
+                _refuse(flow, 403, host, port, request.verdict.reason)
             return
         # Pin: mitmproxy connects to request.host and matches kept-alive server connections by it,
         # so it becomes the checked address; the Host header stays, and server_connect sets the SNI.
@@ -192,6 +198,13 @@ class _Guard:
             data.server.error = "egress: no checked address for this destination"
             return
         data.server.sni = host  # mitmproxy would use the address; certificates name the host
+
+
+def _large_body(request: http.Request) -> bool:
+    if "transfer-encoding" in request.headers:
+        return True
+    length = request.headers.get("content-length", "0")
+    return not length.isdigit() or int(length) > REFUSED_BODY_MAX
 
 
 def _no_policy(sandbox_id: str) -> Verdict:
