@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from .drivers.base import Limits
 
@@ -56,6 +56,8 @@ class Settings(BaseModel):
     tenant_max_memory_mb: int = Field(16384, ge=0)  # the sum of its sandboxes' limits.memory_mb
     tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
+    # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
+    egress_ca_bundle: Optional[FilePath] = None
 
     ENV: ClassVar[Dict[str, str]] = {  # field -> variable; every flag of `sandgate serve` has one
         "ip": "SANDGATE_IP", "port": "SANDGATE_PORT", "token": "SANDGATE_TOKEN",
@@ -76,6 +78,7 @@ class Settings(BaseModel):
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
+        "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

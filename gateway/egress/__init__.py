@@ -1,0 +1,1 @@
+"""Egress for sandboxes: the policy, the secrets, and the proxy that enforces them (docs/egress.md)."""
