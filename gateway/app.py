@@ -12,6 +12,8 @@ from .api import channels, jupyter, sandboxes, tenants
 from .config import Settings
 from .core.manager import SandboxManager
 from .core.service import SandboxService
+from .core.tunnel import EgressHook
+from .egress.proxy import EgressProxy, table_resolver
 from .drivers import DRIVERS
 from .kernelspecs import KernelSpecs
 from .store.sqlite import SQLiteStore
@@ -35,6 +37,15 @@ def make_service(settings: Settings) -> SandboxService:
     store = SQLiteStore(settings.home / "sessions.db")
     manager = SandboxManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver), store)
     return SandboxService(manager)
+
+
+async def start_egress(settings: Settings, manager: SandboxManager) -> EgressProxy:
+    """The egress proxy, in this process's loop, installed on the manager (core/tunnel.py)."""
+    proxy = EgressProxy(settings.home, settings.egress_ca_bundle, resolver=table_resolver(settings.egress_hosts))
+    await proxy.start()
+    manager.egress = EgressHook(connect=proxy.open, ca_pem=proxy.ca_certificate_pem().decode(),
+                                set_policy=proxy.set_policy, forget=proxy.forget)
+    return proxy
 
 
 SECRET_QUERY = re.compile(r"([?&](?:token|access_token|api_key)=)[^&]*", re.I)

@@ -23,7 +23,7 @@ def cmd_serve(args) -> int:
 
     from sandgate_images import rootfs as images
 
-    from .app import make_app, make_service
+    from .app import make_app, make_service, start_egress
     from .core.culler import Culler
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
@@ -33,7 +33,8 @@ def cmd_serve(args) -> int:
                              max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes,
                              tenant_max_sandboxes=args.tenant_max_sandboxes,
                              tenant_max_memory_mb=args.tenant_max_memory_mb,
-                             tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst)
+                             tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst,
+                             egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts)
     generated = settings.token is None
     if settings.token == "":
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
@@ -65,6 +66,7 @@ def cmd_serve(args) -> int:
             raise SystemExit(f"sandgate: {e}") from None
         app = make_app(settings, service)
         manager = service.manager
+        proxy = await start_egress(settings, manager)
         await manager.recover()
         default = manager.specs.get(manager.specs.default).driver
         manager.pool.refill(default)  # other drivers warm up after their first sandbox starts
@@ -95,6 +97,7 @@ def cmd_serve(args) -> int:
         else:
             log.info("shutting down: deleting %d sandboxes", len(manager.sandboxes))
             await manager.delete_all()
+        await proxy.stop()
         await manager.store.close()
         log.info("gateway stopped")
 
@@ -228,6 +231,10 @@ def main(argv=None) -> int:
                    help="sandbox creations per minute per tenant; 0 no limit (SANDGATE_TENANT_CREATE_RATE, 30)")
     s.add_argument("--tenant-create-burst", type=int,
                    help="creations a tenant may make at once before the rate applies (SANDGATE_TENANT_CREATE_BURST, 10)")
+    s.add_argument("--egress-ca-bundle",
+                   help="PEM file of extra CAs the egress proxy trusts upstream, besides the system's (SANDGATE_EGRESS_CA_BUNDLE)")
+    s.add_argument("--egress-hosts",
+                   help="name=address,... the egress proxy resolves without DNS, as /etc/hosts (SANDGATE_EGRESS_HOSTS)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("image", help="build or show the sandbox image")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
-from pydantic import BaseModel, Field, FilePath, ValidationError
+from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator
 
 from .drivers.base import Limits
 
@@ -14,6 +15,17 @@ from .drivers.base import Limits
 def default_home() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sandgate"
+
+
+def parse_hosts(text: str) -> Dict[str, str]:
+    """``name=address,name=address`` (SANDGATE_EGRESS_HOSTS) as a dict; checked by the field's validator."""
+    table = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, address = item.partition("=")
+        if not sep:
+            raise SystemExit(f"sandgate: invalid setting: egress_hosts: {item!r} is not name=address")
+        table[name.strip()] = address.strip()
+    return table
 
 
 class Settings(BaseModel):
@@ -58,6 +70,17 @@ class Settings(BaseModel):
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
     # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
     egress_ca_bundle: Optional[FilePath] = None
+    # names the egress proxy resolves to fixed addresses before DNS ("name=ip,name=ip"): private services
+    egress_hosts: Dict[str, str] = {}
+
+    @field_validator("egress_hosts")
+    @classmethod
+    def _hosts(cls, table: Dict[str, str]) -> Dict[str, str]:
+        for name, address in table.items():
+            ipaddress.ip_address(address)  # ValueError names it
+            if not name or not all(c.isalnum() or c in "-." for c in name):
+                raise ValueError(f"{name!r} is not a host name")
+        return {name.lower().rstrip("."): address for name, address in table.items()}
 
     ENV: ClassVar[Dict[str, str]] = {  # field -> variable; every flag of `sandgate serve` has one
         "ip": "SANDGATE_IP", "port": "SANDGATE_PORT", "token": "SANDGATE_TOKEN",
@@ -78,7 +101,7 @@ class Settings(BaseModel):
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
-        "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE",
+        "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}
@@ -95,6 +118,11 @@ class Settings(BaseModel):
                 values[field] = os.environ[var]
         if isinstance(values.get("env_allow"), str):
             values["env_allow"] = [v for v in values["env_allow"].split(",") if v]
+        for key in ("egress_hosts",):
+            if isinstance(overrides.get(key), str):
+                values[key] = overrides.pop(key)
+        if isinstance(values.get("egress_hosts"), str):
+            values["egress_hosts"] = parse_hosts(values["egress_hosts"])
         limits = {f: os.environ[v] for f, v in cls.LIMIT_ENV.items() if v in os.environ}
         for key, value in overrides.items():
             if value is None:

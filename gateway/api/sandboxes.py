@@ -13,6 +13,7 @@ from typing import Dict, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
+from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
 from .base import APIHandler
@@ -134,6 +135,18 @@ class CheckpointsHandler(APIHandler):
         self.reply(cp.summary(), 201)
 
 
+class EgressHandler(APIHandler):
+    """The sandbox's egress policy, changed while it lives: every request the
+    proxy checks from now on is decided by the new one."""
+
+    def get(self, sid):
+        self.reply(sandbox_model(self.service.get(sid, self.who))["egress"])
+
+    async def patch(self, sid):
+        sb = await self.service.set_egress(sid, self.body(EgressPolicy), self.who)
+        self.reply(sandbox_model(sb))
+
+
 class ForkHandler(APIHandler):
     async def post(self, sid):
         body = self.body(ForkRequest)
@@ -176,7 +189,7 @@ class OpenAPIHandler(APIHandler):
 
 def openapi() -> dict:
     models = [SandboxCreate, SandboxModel, ExecuteRequest, ExecuteResult, ForkRequest, CheckpointRequest, PauseRequest,
-              TenantCreate, TenantModel]
+              EgressPolicy, TenantCreate, TenantModel]
     defs = {}
     for m in models:
         schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -220,6 +233,10 @@ def openapi() -> dict:
             "post": {"parameters": sid, "requestBody": body("CheckpointRequest"), "responses": resp(201)}},
         "/api/sandboxes/{id}/fork": {"post": {"parameters": sid, "requestBody": body("ForkRequest"),
                                               "responses": resp(201, "SandboxModel", "Created")}},
+        "/api/sandboxes/{id}/egress": {
+            "get": {"parameters": sid, "summary": "The egress policy (null: no network)", "responses": resp(200)},
+            "patch": {"parameters": sid, "summary": "Replace the egress policy while it runs",
+                      "requestBody": body("EgressPolicy"), "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/files/{path}": {
             "get": {"parameters": fpath, "summary": "File bytes, or a JSON listing for a directory",
                     "responses": resp(200)},
@@ -256,6 +273,7 @@ def routes() -> list:
         (rf"/api/sandboxes/({UUID})/(pause|resume)", ActionHandler),
         (rf"/api/sandboxes/({UUID})/checkpoints/?", CheckpointsHandler),
         (rf"/api/sandboxes/({UUID})/fork", ForkHandler),
+        (rf"/api/sandboxes/({UUID})/egress", EgressHandler),
         (rf"/api/sandboxes/({UUID})/files/?(.*)", FilesHandler),
     ]
 

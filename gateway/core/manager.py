@@ -14,11 +14,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from sandgate_images import rootfs as images
 
 from ..checkpoints import Checkpoint, CheckpointStore, SnapshotLimits
+from ..egress.policy import EgressPolicy
+from ..egress.secrets import Secret
 from ..config import Settings
 from ..drivers.base import Driver, Limits, SandboxError
 from ..drivers.base import Sandbox as Runtime
@@ -32,7 +34,7 @@ from .record import SandboxRecord
 from .messages import utcnow
 from .sandbox import Sandbox
 from .states import State
-from .tunnel import EgressHook
+from .tunnel import DEFAULT_PORT, EgressHook
 
 log = logging.getLogger("sandgate.manager")
 
@@ -80,18 +82,22 @@ class SandboxManager:
     async def start(self, kernel_name: str, driver: str, env: Dict[str, str], limits: Limits,
                     labels: Optional[Dict[str, str]] = None, ttl: Optional[float] = None,
                     checkpoint: Optional[Checkpoint] = None, owner: str = "",
-                    sandbox_id: Optional[str] = None) -> Sandbox:
+                    sandbox_id: Optional[str] = None, egress: Optional[EgressPolicy] = None,
+                    secrets: Sequence[Secret] = ()) -> Sandbox:
         """Start a sandbox cold, from the warm pool, from the template, or
         from a checkpoint (files and running state). Arguments are validated;
         ``sandbox_id`` (a new uuid4 when omitted) lets the service count it
         against its owner's quota before it exists."""
         if self.stopping:
             raise Unavailable("the gateway is shutting down")
+        if egress is not None and self.egress is None:
+            raise Unavailable("this gateway has no egress proxy: sandboxes here have no network")
         if len(self.sandboxes) + self._starting >= self.settings.max_kernels:
             raise LimitReached(f"Maximum number of sandboxes ({self.settings.max_kernels}) reached")
         rec = SandboxRecord(id=sandbox_id or str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
                             limits=limits, labels=labels or {}, node=self.store.node,
-                            expires=time.time() + ttl if ttl else None)
+                            expires=time.time() + ttl if ttl else None, egress=egress, secrets=list(secrets),
+                            egress_port=DEFAULT_PORT if egress is not None else None)
         self._starting += 1
         sb: Optional[Sandbox] = None
         how = "cold"
@@ -109,6 +115,9 @@ class SandboxManager:
                 sb.fanout.clear()
                 sb.last_activity = utcnow()  # its time in the pool is not idle time
                 await sb.setup(env)
+                sb.publish_egress()
+                if sb.record.egress_port:
+                    await sb._apply_egress()
                 log.info("sandbox %s: running (taken from the pool as %s)", rec.id, pooled.id)
                 self.sandboxes[sb.id] = sb
                 sb._stored = State.STARTING  # not in the store yet: put below
@@ -123,6 +132,7 @@ class SandboxManager:
                 sb = Sandbox(self, rec)
                 sb.record = await self.store.put(rec)
                 self.sandboxes[sb.id] = sb
+                sb.publish_egress()  # before it runs: its first connection finds its policy
                 async with sb.lock:
                     if checkpoint:
                         how = f"from checkpoint {checkpoint.id}"
@@ -135,6 +145,8 @@ class SandboxManager:
         except BaseException:
             if sb is not None:
                 self.sandboxes.pop(sb.id, None)
+                if self.egress:
+                    self.egress.forget(sb.id)
                 await sb.teardown()
                 await sb.ws.delete()
                 await self.store.delete(sb.id)
@@ -149,6 +161,8 @@ class SandboxManager:
         sb = self.get(sandbox_id)
         await sb.delete()
         self.sandboxes.pop(sandbox_id, None)
+        if self.egress:
+            self.egress.forget(sandbox_id)
         await self.gc()
         log.info("sandbox %s deleted", sandbox_id)
 
@@ -204,6 +218,7 @@ class SandboxManager:
             sb.record = await self.store.put(rec)
             sb._stored = rec.state
             self.sandboxes[sb.id] = sb
+            sb.publish_egress()
             log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
         # The state directories of adopted runtimes started as pooled sandboxes have the pool's names.
         keep = set(self.sandboxes) | {rt.spec.state_dir.name for rt in adopted.values()}

@@ -10,11 +10,13 @@ newest checkpoint.
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_serializer
 
 from ..drivers.base import Limits
+from ..egress.policy import EgressPolicy
+from ..egress.secrets import Secret
 from .states import State
 
 
@@ -33,6 +35,10 @@ class SandboxRecord(BaseModel):
     env: Dict[str, str] = {}
     # Egress on: the agent's proxy listener port inside the sandbox (core/tunnel.py); None: no egress.
     egress_port: Optional[int] = None
+    egress: Optional[EgressPolicy] = None  # what the proxy lets it reach; None: no network at all
+    # What the proxy adds for it (gateway/egress/secrets.py). The values are kept here, in the gateway's
+    # own store, for the proxy after a restart; no API answer is made from a record.
+    secrets: List[Secret] = []
     created: float = Field(default_factory=time.time)
     expires: Optional[float] = None  # epoch seconds; the culler deletes it after
     runtime: Optional[str] = None  # the driver's id of the running sandbox (runsc container, VM)
@@ -43,6 +49,10 @@ class SandboxRecord(BaseModel):
     resume_from: Optional[str] = None
     reason: Optional[str] = None  # why it is dead, or what a recovery cost
     version: int = 0  # bumped by the store on every write
+
+    @field_serializer("secrets")
+    def _keep_values(self, secrets: List[Secret]) -> list:
+        return [{**s.model_dump(exclude={"value"}), "value": s.value.get_secret_value()} for s in secrets]
 
 
 class TenantRecord(BaseModel):

@@ -31,6 +31,7 @@ from ..agent_link import AgentError, AgentLink
 from ..checkpoints import Checkpoint, SnapshotTooLarge, dir_size
 from ..drivers.base import Sandbox as Runtime
 from ..drivers.base import SandboxError, SandboxSpec
+from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
 from .errors import Conflict, LimitReached, Unavailable
@@ -38,6 +39,7 @@ from .fanout import FanOut, Listener
 from .messages import error_reply, iso, iso_epoch, output_of, status_message, utcnow
 from .record import SandboxRecord
 from .states import State
+from .tunnel import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from .manager import SandboxManager
@@ -322,6 +324,27 @@ class Sandbox:
         if hook is None or self.record.egress_port is None:
             return None
         return {"port": self.record.egress_port, "ca_pem": hook.ca_pem}
+
+    def publish_egress(self) -> None:
+        """Tell the proxy what this sandbox may reach and add (or that it may reach nothing)."""
+        hook, r = self.manager.egress, self.record
+        if hook is None:
+            return
+        if r.egress is None:
+            hook.forget(self.id)
+        else:
+            hook.set_policy(self.id, r.egress, r.secrets, {s.name: r.env[s.name] for s in r.secrets
+                                                           if s.name and s.name in r.env})
+
+    async def change_egress(self, policy: EgressPolicy) -> None:
+        """A new policy while it lives (PATCH .../egress): the proxy checks every
+        request from now on against it; a sandbox that had none gets its listener."""
+        self.record = self.record.model_copy(update={"egress": policy})
+        self.publish_egress()
+        if self.record.egress_port is None:
+            await self.set_egress(DEFAULT_PORT)
+        else:
+            await self.save()
 
     async def _apply_egress(self) -> None:
         """The agent's listener and proxy environment to match the record."""

@@ -21,6 +21,8 @@ from ..agent_link import AgentError
 from ..checkpoints import Checkpoint
 from ..config import Settings
 from ..drivers.base import Limits
+from ..egress.policy import EgressPolicy
+from ..egress.secrets import Secret, Secrets, placeholders
 from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, RateLimited,
                      SandgateError, Unavailable)
 from .manager import SandboxManager
@@ -49,7 +51,8 @@ class LimitsRequest(BaseModel):
 class SandboxCreate(BaseModel):
     """The body of POST /api/sandboxes (and what other front ends ask for)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # A secret's value must not come back in a 400 (gateway/egress/secrets.py).
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
     labels: Dict[str, str] = {}
@@ -57,6 +60,9 @@ class SandboxCreate(BaseModel):
     ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
                                  description="seconds until the sandbox is deleted")
     checkpoint: Optional[str] = Field(None, description="start from this checkpoint instead of cold")
+    egress: Optional[EgressPolicy] = Field(None, description="what it may reach through the egress proxy; "
+                                           "omitted: no network at all (docs/egress.md)")
+    secrets: Secrets = Field([], description="headers the proxy adds for it, and placeholders (write-only)")
 
 
 class StartRequest(SandboxCreate):
@@ -85,6 +91,19 @@ class SandboxModel(BaseModel):
     expires: Optional[str] = None
     resume_from: Optional[str] = None  # set when its running state was lost: it resumes from this checkpoint
     reason: Optional[str] = None  # why it is dead, or what a recovery cost
+    egress: Optional[EgressPolicy] = None  # None: no network at all
+    secrets: List[SecretModel] = []  # never their values
+
+
+class SecretModel(BaseModel):
+    """A secret as the API shows it: where it goes, never what it is."""
+
+    host: str
+    header: Optional[str] = None
+    name: Optional[str] = None
+
+
+SandboxModel.model_rebuild()
 
 
 def sandbox_model(sb: Sandbox) -> dict:
@@ -94,7 +113,9 @@ def sandbox_model(sb: Sandbox) -> dict:
                         driver=r.driver, kernel_id=r.id, runtime_id=sb.runtime.id if sb.runtime else None,
                         parent=parent, head=r.head, limits=r.limits, owner=r.owner, labels=r.labels, created=m["created"],
                         last_activity=m["last_activity"], expires=m.get("expires"), resume_from=r.resume_from,
-                        reason=r.reason).model_dump(mode="json")
+                        reason=r.reason, egress=r.egress,
+                        secrets=[SecretModel(host=s.host, header=s.header, name=s.name) for s in r.secrets],
+                        ).model_dump(mode="json")
 
 
 def _num(v: float) -> str:
@@ -234,17 +255,33 @@ class SandboxService:
             raise BadRequest(f"limits.disk_mb cannot be set for the {spec.driver} driver: its workspace is the "
                              "VM image's own disk, of a fixed size (docs/drivers.md)")
         env = self.kernel_env(req.env)
+        egress, secrets = req.egress, req.secrets
         if source and not req.limits:
             limits = source.record.limits  # a fork keeps its parent's limits...
         if source and not req.env:
-            env = source.record.env  # ...and environment
+            env = source.record.env  # ...environment...
+        if source and egress is None and not secrets:
+            egress, secrets = source.record.egress, source.record.secrets  # ...and network
+        else:
+            env = self.secret_env(env, egress, secrets)
         ttl = self.ttl(req.ttl)
         sid = await self._admit(who, limits.memory_mb)
-        return await self._start(who, sid, spec.name, spec.driver, env, limits, req.labels, ttl, cp, who.owner)
+        return await self._start(who, sid, spec.name, spec.driver, env, limits, req.labels, ttl, cp, who.owner,
+                                 egress=egress, secrets=secrets)
 
-    async def _start(self, who: Principal, sid: Optional[str], *args) -> Sandbox:
+    @staticmethod
+    def secret_env(env: Dict[str, str], egress: Optional[EgressPolicy], secrets: List[Secret]) -> Dict[str, str]:
+        """The environment plus a placeholder for each named secret (the proxy swaps it for the value)."""
+        if secrets and egress is None:
+            raise BadRequest("secrets: a sandbox without egress reaches no host to send them to; give it an egress policy")
+        clash = sorted({s.name for s in secrets if s.name} & set(env))
+        if clash:
+            raise BadRequest(f"secrets: {clash[0]!r} is also in env; a named secret's variable holds its placeholder")
+        return {**env, **placeholders(secrets)}
+
+    async def _start(self, who: Principal, sid: Optional[str], *args, **kwargs) -> Sandbox:
         try:
-            sb = await self.manager.start(*args, sandbox_id=sid)
+            sb = await self.manager.start(*args, sandbox_id=sid, **kwargs)
         finally:
             if sid:
                 self._pending.pop(sid, None)
@@ -273,7 +310,8 @@ class SandboxService:
         except BaseException:
             self._pending.pop(sid, None)
             raise
-        return await self._start(who, sid, spec.name, spec.driver, r.env, r.limits, {}, self.ttl(None), cp, r.owner)
+        return await self._start(who, sid, spec.name, spec.driver, r.env, r.limits, {}, self.ttl(None), cp, r.owner,
+                                 egress=r.egress, secrets=r.secrets)
 
     # -- tenants (the admin's) ---------------------------------------------------------
     def _admin(self, who: Principal) -> None:
@@ -324,6 +362,14 @@ class SandboxService:
     async def delete(self, sandbox_id: str, who: Principal = ADMIN) -> None:
         self.get(sandbox_id, who)
         await self.manager.delete(sandbox_id)
+
+    async def set_egress(self, sandbox_id: str, policy: EgressPolicy, who: Principal = ADMIN) -> Sandbox:
+        sb = self.get(sandbox_id, who)
+        if self.manager.egress is None:
+            raise Unavailable("this gateway has no egress proxy: sandboxes here have no network")
+        await sb.change_egress(policy)
+        log.info("sandbox %s: egress policy now allow=%s deny=%s", sb.id, policy.allow, policy.deny)
+        return sb
 
     async def checkpoint(self, sandbox_id: str, name: str = "", who: Principal = ADMIN) -> Checkpoint:
         return await self.get(sandbox_id, who).checkpoint(name)

@@ -34,3 +34,6 @@ class EgressHook:
     # The proxy's CA certificate (PEM) that TLS clients inside must trust; ""
     # when the proxy does not intercept TLS.
     ca_pem: str = ""
+    # What the proxy enforces for a sandbox: (id, EgressPolicy, secrets, {env name: placeholder}).
+    set_policy: Callable[..., None] = lambda *args: None
+    forget: Callable[[str], None] = lambda sandbox_id: None

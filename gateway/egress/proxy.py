@@ -57,6 +57,14 @@ async def system_resolver(host: str, port: int) -> List[IPAddress]:
     return found
 
 
+def table_resolver(table: Dict[str, str], fallback: Resolver = system_resolver) -> Resolver:
+    """Names in ``table`` (SANDGATE_EGRESS_HOSTS) to their fixed address, the rest through ``fallback``."""
+    async def resolve(host: str, port: int) -> List[IPAddress]:
+        address = table.get(host.lower().rstrip("."))
+        return [ipaddress.ip_address(address)] if address else await fallback(host, port)
+    return resolve
+
+
 @dataclass
 class _Sandbox:
     policy: EgressPolicy
