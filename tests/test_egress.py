@@ -8,35 +8,15 @@ names them, so the policies here carry "127.0.0.4/32" beside the names they allo
 
 from __future__ import annotations
 
-import http.server
 import json
-import ssl
-import threading
 
 import pytest
 
 from conftest import Gateway
-from test_egress_proxy import PLAIN_IP, TLS_IP, Echo, make_ca
+from test_egress_proxy import PLAIN_IP, TLS_IP, upstream  # noqa: F401 (the HTTPS/HTTP servers, a fixture)
 
 TOKEN_VALUE = "Bearer sk-test-never-inside-1234"
 KEY_VALUE = "real-key-never-inside-5678"
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("upstream")
-    ca, leaf = make_ca(tmp)  # a certificate for secure.test and other.test
-    plain = http.server.ThreadingHTTPServer((PLAIN_IP, 0), Echo)
-    tls = http.server.ThreadingHTTPServer((TLS_IP, 0), Echo)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(leaf)
-    tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
-    for server in (plain, tls):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {"ca": ca, "http": plain.server_address[1], "https": tls.server_address[1]}
-    for server in (plain, tls):
-        server.shutdown()
-        server.server_close()
 
 
 def egress_env(upstream):
