@@ -16,6 +16,7 @@ from .core.tunnel import EgressHook
 from .egress.proxy import EgressProxy, table_resolver
 from .drivers import DRIVERS
 from .kernelspecs import KernelSpecs
+from .store.redis import RedisStore
 from .store.sqlite import SQLiteStore
 
 log = logging.getLogger("sandgate")
@@ -34,7 +35,10 @@ def available_drivers(settings: Settings) -> dict:
 
 def make_service(settings: Settings) -> SandboxService:
     drivers = available_drivers(settings)
-    store = SQLiteStore(settings.home / "sessions.db")
+    if settings.redis_url:
+        store = RedisStore(settings.redis_url, node=settings.node_id, prefix=settings.redis_prefix)
+    else:
+        store = SQLiteStore(settings.home / "sessions.db")
     manager = SandboxManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver), store)
     return SandboxService(manager)
 

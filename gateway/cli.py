@@ -34,7 +34,8 @@ def cmd_serve(args) -> int:
                              tenant_max_sandboxes=args.tenant_max_sandboxes,
                              tenant_max_memory_mb=args.tenant_max_memory_mb,
                              tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst,
-                             egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts)
+                             egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts,
+                             redis_url=args.redis_url, node_id=args.node_id)
     generated = settings.token is None
     if settings.token == "":
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
@@ -235,6 +236,9 @@ def main(argv=None) -> int:
                    help="PEM file of extra CAs the egress proxy trusts upstream, besides the system's (SANDGATE_EGRESS_CA_BUNDLE)")
     s.add_argument("--egress-hosts",
                    help="name=address,... the egress proxy resolves without DNS, as /etc/hosts (SANDGATE_EGRESS_HOSTS)")
+    s.add_argument("--redis-url", help="keep sandbox records and tenants in this Redis, shared by a fleet of "
+                                       "gateways (SANDGATE_REDIS_URL; default: SQLite under the home)")
+    s.add_argument("--node-id", help="this gateway's name in the fleet (SANDGATE_NODE_ID, default: the host name)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("image", help="build or show the sandbox image")

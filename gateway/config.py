@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
@@ -72,6 +73,11 @@ class Settings(BaseModel):
     egress_ca_bundle: Optional[FilePath] = None
     # names the egress proxy resolves to fixed addresses before DNS ("name=ip,name=ip"): private services
     egress_hosts: Dict[str, str] = {}
+    # The fleet (store/redis.py): sandbox records and tenants in one Redis shared by every node; "" keeps
+    # them in the embedded SQLite file under the home.
+    redis_url: str = ""
+    redis_prefix: str = "sandgate:"  # key prefix: fleets (or test runs) sharing one Redis
+    node_id: str = Field(default_factory=socket.gethostname, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
 
     @field_validator("egress_hosts")
     @classmethod
@@ -102,6 +108,7 @@ class Settings(BaseModel):
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
+        "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

@@ -1,0 +1,152 @@
+"""The fleet session store: records shared by every gateway node in one Redis.
+
+redis-py's asyncio client. Every write that must agree with what is stored
+runs as one Lua script, so nothing is read-then-written across round trips:
+
+- ``sandgate:sb:<id>``: a hash of ``record`` (the SandboxRecord's JSON),
+  ``state``, ``node`` and ``version``; ``sandgate:sandboxes`` and
+  ``sandgate:node:<node>:sandboxes`` are sets of ids (moved together with a
+  record's node);
+- ``sandgate:tenant:<name>``: a tenant's JSON (token hash only), created with
+  SET NX; ``sandgate:tenants`` the set of names;
+- ``sandgate:alive:<node>``: a node's heartbeat, with a TTL (node liveness);
+  ``sandgate:nodes`` the set of nodes ever seen.
+
+Keys carry an optional prefix (``SANDGATE_REDIS_PREFIX``) so that fleets, or
+test runs, can share one Redis.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+from redis import asyncio as aioredis
+
+from ..core.record import SandboxRecord, TenantRecord
+from ..core.states import State
+from .base import SessionStore
+
+# The record's JSON is stored as given (Lua's cjson would turn [] into {}); the
+# authoritative version is the hash's field, laid over the record on reading.
+# ARGV: record JSON, state, node, id, key prefix.
+MOVE = """
+local function move(old, new)
+  if old and old ~= new then redis.call('SREM', ARGV[5] .. 'node:' .. old .. ':sandboxes', ARGV[4]) end
+  redis.call('SADD', ARGV[5] .. 'node:' .. new .. ':sandboxes', ARGV[4])
+end
+"""
+
+# put: bump the version, write the record, move it between node sets.
+PUT = MOVE + """
+local old = redis.call('HGET', KEYS[1], 'node')
+local version = redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'record', ARGV[1], 'state', ARGV[2], 'node', ARGV[3])
+redis.call('SADD', ARGV[5] .. 'sandboxes', ARGV[4])
+move(old, ARGV[3])
+return version
+"""
+
+# compare_and_set: the same, only if the stored state is still the expected one (ARGV[6]).
+CAS = MOVE + """
+if redis.call('HGET', KEYS[1], 'state') ~= ARGV[6] then return 0 end
+local old = redis.call('HGET', KEYS[1], 'node')
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'record', ARGV[1], 'state', ARGV[2], 'node', ARGV[3])
+move(old, ARGV[3])
+return 1
+"""
+
+DELETE = """
+local node = redis.call('HGET', KEYS[1], 'node')
+redis.call('DEL', KEYS[1])
+redis.call('SREM', ARGV[2] .. 'sandboxes', ARGV[1])
+if node then redis.call('SREM', ARGV[2] .. 'node:' .. node .. ':sandboxes', ARGV[1]) end
+return node and 1 or 0
+"""
+
+
+class RedisStore(SessionStore):
+    def __init__(self, url: str, node: str, prefix: str = "sandgate:"):
+        self.node = node
+        self.prefix = prefix
+        self.redis = aioredis.from_url(url, decode_responses=True, health_check_interval=10,
+                                       retry_on_timeout=True)
+        self._put = self.redis.register_script(PUT)
+        self._cas = self.redis.register_script(CAS)
+        self._delete = self.redis.register_script(DELETE)
+
+    def _key(self, sandbox_id: str) -> str:
+        return f"{self.prefix}sb:{sandbox_id}"
+
+    def _args(self, record: SandboxRecord) -> list:
+        # The record's own serializer keeps secret values, for the proxy of whichever node holds it.
+        return [record.model_dump_json(), record.state.value, record.node, record.id, self.prefix]
+
+    @staticmethod
+    def _record(raw: Optional[str], version: Optional[str]) -> Optional[SandboxRecord]:
+        if not raw:
+            return None
+        return SandboxRecord.model_validate_json(raw).model_copy(update={"version": int(version or 0)})
+
+    async def get(self, sandbox_id: str) -> Optional[SandboxRecord]:
+        return self._record(*await self.redis.hmget(self._key(sandbox_id), "record", "version"))
+
+    async def put(self, record: SandboxRecord) -> SandboxRecord:
+        version = await self._put(keys=[self._key(record.id)], args=self._args(record))
+        return record.model_copy(update={"version": int(version)})
+
+    async def compare_and_set(self, record: SandboxRecord, expected: State) -> bool:
+        return bool(await self._cas(keys=[self._key(record.id)], args=self._args(record) + [expected.value]))
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._delete(keys=[self._key(sandbox_id)], args=[sandbox_id, self.prefix])
+
+    async def list(self, node: Optional[str] = None) -> List[SandboxRecord]:
+        members = f"{self.prefix}node:{node}:sandboxes" if node is not None else f"{self.prefix}sandboxes"
+        ids = sorted(await self.redis.smembers(members))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hmget(self._key(i), "record", "version")
+            rows = await pipe.execute()
+        return [r for r in (self._record(*row) for row in rows) if r]
+
+    # -- tenants ---------------------------------------------------------------------
+    async def create_tenant(self, record: TenantRecord) -> bool:
+        if not await self.redis.set(f"{self.prefix}tenant:{record.name}", record.model_dump_json(), nx=True):
+            return False
+        await self.redis.sadd(f"{self.prefix}tenants", record.name)
+        return True
+
+    async def get_tenant(self, name: str) -> Optional[TenantRecord]:
+        raw = await self.redis.get(f"{self.prefix}tenant:{name}")
+        return TenantRecord.model_validate_json(raw) if raw else None
+
+    async def list_tenants(self) -> List[TenantRecord]:
+        names = sorted(await self.redis.smembers(f"{self.prefix}tenants"))
+        raws = await self.redis.mget([f"{self.prefix}tenant:{n}" for n in names]) if names else []
+        return [TenantRecord.model_validate_json(r) for r in raws if r]
+
+    async def delete_tenant(self, name: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(f"{self.prefix}tenant:{name}")
+            pipe.srem(f"{self.prefix}tenants", name)
+            deleted, _ = await pipe.execute()
+        return deleted == 1
+
+    # -- node liveness -----------------------------------------------------------------
+    async def heartbeat(self, node: str, ttl: float, info: Optional[dict] = None) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(f"{self.prefix}alive:{node}", json.dumps(info or {}), px=int(ttl * 1000))
+            pipe.sadd(f"{self.prefix}nodes", node)
+            await pipe.execute()
+
+    async def live_nodes(self) -> Dict[str, dict]:
+        nodes = sorted(await self.redis.smembers(f"{self.prefix}nodes"))
+        infos = await self.redis.mget([f"{self.prefix}alive:{n}" for n in nodes]) if nodes else []
+        return {n: json.loads(i) for n, i in zip(nodes, infos) if i is not None}
+
+    async def close(self) -> None:
+        await self.redis.aclose()
