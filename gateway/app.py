@@ -8,7 +8,9 @@ import re
 from tornado import web
 from tornado.log import access_log
 
+from . import metrics
 from .api import channels, jupyter, sandboxes, tenants
+from .api import metrics as metrics_api
 from .config import Settings
 from .core.manager import SandboxManager
 from .core.service import SandboxService
@@ -40,6 +42,7 @@ def make_service(settings: Settings) -> SandboxService:
     else:
         store = SQLiteStore(settings.home / "sessions.db")
     manager = SandboxManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver), store)
+    metrics.watch(manager)
     return SandboxService(manager)
 
 
@@ -65,7 +68,7 @@ def log_request(handler: web.RequestHandler) -> None:
 
 
 def make_app(settings: Settings, service: SandboxService) -> web.Application:
-    routes = sandboxes.routes() + tenants.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
+    routes = sandboxes.routes() + tenants.routes() + metrics_api.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
     return web.Application(
         routes,
         default_handler_class=jupyter.NotFoundHandler,

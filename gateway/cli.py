@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from . import __version__
+from . import __version__, logformat
 from .config import Settings
 
 
@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="sandgate", description="A Jupyter kernel gateway whose kernels run in sandboxes.")
     ap.add_argument("--version", action="version", version=__version__)
     ap.add_argument("--log-level", default=os.environ.get("SANDGATE_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-format", choices=["text", "json"],
+                    help="json: one JSON object per line, with sandbox and tenant ids as fields (SANDGATE_LOG_FORMAT)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run the gateway (every flag also reads SANDGATE_<FLAG>)")
@@ -264,8 +266,7 @@ def main(argv=None) -> int:
     b.set_defaults(fn=cmd_bench)
 
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="[%(levelname).1s %(asctime)s %(name)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    logformat.setup(args.log_level, args.log_format or os.environ.get("SANDGATE_LOG_FORMAT", "text"))
     return args.fn(args) or 0
 
 

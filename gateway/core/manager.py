@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 from sandgate_images import rootfs as images
 
+from .. import metrics
 from ..checkpoints import Checkpoint, CheckpointStore, SnapshotLimits
 from ..egress.policy import EgressPolicy
 from ..egress.secrets import Secret
@@ -154,6 +155,9 @@ class SandboxManager:
         finally:
             self._starting -= 1
         log.info("sandbox %s started (%s, runtime %s, %s)", sb.id, driver, sb.record.runtime, how)
+        path = "pool" if how.endswith("pool") else "cold" if not checkpoint else (
+            "template" if self.pool.is_template(checkpoint.id) else "checkpoint")
+        metrics.STARTS.labels(driver, path).inc()
         self.pool.refill(driver)
         return sb
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Dict, List, Optional
 
 from sandgate_agent import protocol as P
 
+from .. import metrics
 from ..agent_link import AgentError, AgentLink
 from ..checkpoints import Checkpoint, SnapshotTooLarge, dir_size
 from ..drivers.base import Sandbox as Runtime
@@ -107,6 +108,7 @@ class Sandbox:
         self.fanout = FanOut(record.id, s.replay_messages)
         self.held = Held(s.held_messages, s.held_mb << 20)
         self.pending: Dict[str, dict] = {}  # execute_request headers awaiting their reply
+        self._sent_at: Dict[str, float] = {}  # when each of those arrived (sandgate_execute_seconds)
         self.activity = "starting"  # the kernel's own execution_state: starting, idle, busy, restarting
         self.last_activity = utcnow()
         self.lock = asyncio.Lock()  # one lifecycle operation at a time
@@ -242,6 +244,7 @@ class Sandbox:
         Raises Unavailable with the reason when the runtime does not come up."""
         s = self.manager.settings
         spec = self.new_spec()
+        t0 = time.monotonic()
         try:
             await self.ws.create()  # nothing if it exists (restart, resume)
             runtime = await (self.driver.restore(spec, restore_from, consume) if restore_from
@@ -268,6 +271,8 @@ class Sandbox:
             exited.cancel()
             await self.teardown()
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
+        if restore_from:
+            metrics.RESTORE.labels(self.record.driver).observe(time.monotonic() - t0)
         if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
                         ready.result()[0]["egress_error"])
@@ -540,6 +545,9 @@ class Sandbox:
             await self.to(State.DEAD, reason="stopped after its checkpoint")
         log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
                  time.monotonic() - t0, cp.state_bytes, new)
+        metrics.CHECKPOINTS.labels(self.record.driver).inc()
+        metrics.CHECKPOINT_BYTES.labels(self.record.driver, "state").inc(cp.state_bytes)
+        metrics.CHECKPOINT_BYTES.labels(self.record.driver, "files").inc(new)
         return cp
 
     async def _carry_on(self, image: Path, consume: bool, after: str = "") -> None:
@@ -711,6 +719,7 @@ class Sandbox:
         self.last_activity = utcnow()
         if header.get("msg_type") == "execute_request":
             self.pending[header.get("msg_id")] = header
+            self._sent_at[header.get("msg_id")] = time.monotonic()
         if st == State.RUNNING and self.link:
             try:
                 self.link.send_kernel(channel, parts)
@@ -746,6 +755,7 @@ class Sandbox:
         """Answer every execute_request the kernel will never answer, so no
         client waits forever (Kernel Gateway leaves them hanging)."""
         pending, self.pending = self.pending, {}
+        self._sent_at.clear()
         for header in pending.values():
             evalue = why if ename != "DeadKernelError" else f"The kernel died while running this cell ({why}); its state is lost"
             self.fanout.reply("shell", error_reply(header, ename, evalue))
@@ -755,7 +765,11 @@ class Sandbox:
         self.last_activity = utcnow()
         if channel == "shell" and self.pending and b"execute_reply" in parts[0]:
             try:
-                self.pending.pop(json.loads(parts[1]).get("msg_id"), None)
+                msg_id = json.loads(parts[1]).get("msg_id")
+                self.pending.pop(msg_id, None)
+                sent = self._sent_at.pop(msg_id, None)
+                if sent is not None:
+                    metrics.EXECUTE.labels(self.record.driver).observe(time.monotonic() - sent)
             except (ValueError, AttributeError):
                 pass
         if channel == "iopub" and b'"status"' in parts[0]:

@@ -33,6 +33,7 @@ from mitmproxy.net.http import url
 from mitmproxy.options import Options
 from mitmproxy.proxy import server_hooks
 
+from .. import metrics
 from .policy import EgressPolicy, IPAddress, Verdict, ip_literal, normalize_host
 from .secrets import Secret
 
@@ -264,6 +265,9 @@ def _log(request: _Request, method: str, status: Optional[int], error: Optional[
     outcome = "allowed" if verdict.allowed else "refused"
     rule = f" rule={verdict.rule!r}" if verdict.rule else ""
     extra = f" error={error!r}" if error else ""
+    metrics.EGRESS_REQUESTS.labels(outcome).inc()
+    metrics.EGRESS_BYTES.labels("up").inc(request.up.bytes)
+    metrics.EGRESS_BYTES.labels("down").inc(request.down.bytes)
     logger.info("sandbox %s: %s %s:%d %s%s status=%s up=%d down=%d reason=%r%s", request.sandbox_id,
                 method, request.host, request.port, outcome, rule, status, request.up.bytes,
                 request.down.bytes, verdict.reason, extra)
