@@ -75,6 +75,7 @@ def make_app(settings: Settings, service: SandboxService) -> web.Application:
         sandgate=settings,
         service=service,
         notebook_sessions=jupyter.NotebookSessions(),
+        fleet=None,  # a core.fleet.Fleet once serving on a shared store
         websocket_max_message_size=settings.max_message_mb << 20,
         websocket_ping_interval=30,
         log_function=log_request,

@@ -25,6 +25,7 @@ def cmd_serve(args) -> int:
 
     from .app import make_app, make_service, start_egress
     from .core.culler import Culler
+    from .core.fleet import Fleet
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
                              max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
@@ -80,6 +81,12 @@ def cmd_serve(args) -> int:
         culler.start()
         port = next(iter(server._sockets.values())).getsockname()[1]
         url = f"http://{settings.ip}:{port}"
+        fleet = None
+        if settings.redis_url:  # one node of a fleet: beat, and forward what other nodes hold
+            fleet = Fleet(manager, settings.node_url or url)
+            await fleet.beat()
+            fleet.start()
+            app.settings["fleet"] = fleet
         print(f"Sandgate {__version__} serving at {url} (drivers: {', '.join(manager.drivers) or 'none'})", flush=True)
         if generated:
             print(f"Token (generated): {settings.token}", flush=True)
@@ -92,6 +99,8 @@ def cmd_serve(args) -> int:
         log = logging.getLogger("sandgate")
         server.stop()
         await culler.stop()
+        if fleet:
+            await fleet.stop()
         if settings.keep_sandboxes:
             log.info("shutting down: %d sandboxes are kept for the next start", len(manager.sandboxes))
             await manager.suspend_all()

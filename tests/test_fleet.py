@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import Gateway
+from conftest import Gateway, wait_for
 from test_store import RedisServer
 
 
@@ -42,4 +42,54 @@ def test_a_gateway_keeps_its_sandboxes_and_tenants_in_redis(home, tmp_path):
         g.stop()
         if g2:
             g2.stop()
+        server.stop()
+
+
+def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path):
+    """Two nodes on one Redis: a client of node A drives a sandbox on node B, REST and websocket
+    (legacy and v1), streamed execute and files included; with B gone, A says which node is down."""
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    server = RedisServer(redis_dir)
+    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false"}
+    a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
+    b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b"})
+    try:
+        sid = b.request("POST", "/api/sandboxes", {}).json()["id"]
+        got = a.request("GET", f"/api/sandboxes/{sid}")
+        assert got.status == 200 and got.json()["id"] == sid, got.body
+        r = a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "x = 41\nprint(x + 1)"})
+        assert r.status == 200 and r.json()["stdout"] == "42\n", r.body
+        streamed = a.request("POST", f"/api/sandboxes/{sid}/execute?stream=1", {"code": "print('s')"})
+        assert streamed.headers["Content-Type"].startswith("text/event-stream")
+        assert b"event: output" in streamed.body and b"event: result" in streamed.body
+        assert a.request("PUT", f"/api/sandboxes/{sid}/files/data.txt", raw=b"through node a").status == 201
+        assert b.request("GET", f"/api/sandboxes/{sid}/files/data.txt").body == b"through node a"
+        for v1 in (False, True):
+            c = a.connect(sid, v1=v1)  # the Jupyter websocket, relayed to node B
+            assert c.execute("x")["results"][0]["text/plain"] == "41"
+            c.close()
+        assert a.request("GET", f"/api/kernels/{sid}").json()["id"] == sid
+        assert a.request("GET", f"/api/sandboxes/{sid}", token="wrong").status == 401  # auth first, then forwarding
+        assert a.request("GET", "/api/sandboxes/00000000-0000-4000-8000-000000000000").status == 404
+        forwarded = [line for line in a.request("GET", "/metrics").body.decode().splitlines()
+                     if line.startswith("sandgate_forwarded_requests_total")]
+        assert any('kind="websocket"' in line and not line.endswith(" 0.0") for line in forwarded), forwarded
+        # Node B dies: its heartbeat expires, and A names the node instead of hanging or saying 404.
+        b.proc.kill()
+        b.proc.wait()
+        at_once = a.request("GET", f"/api/sandboxes/{sid}")
+        assert at_once.status == 503 and "unreachable" in at_once.json()["message"], at_once.body
+        down = wait_for(lambda: (lambda r: r if "not answering" in r.json()["message"] else None)(
+            a.request("GET", f"/api/sandboxes/{sid}")), timeout=30)
+        assert down.status == 503 and "node node-b" in down.json()["message"], down.body
+        # B comes back on its home: it adopts the sandbox, memory and all, and A serves it again.
+        b = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
+        r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
+            a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x)"})), timeout=30)
+        assert r.json()["stdout"] == "41\n", r.body
+        assert a.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    finally:
+        a.stop()
+        b.stop()
         server.stop()

@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import math
+import re
 from typing import Optional, Type, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -14,8 +15,10 @@ from tornado import web
 
 from ..core.errors import SandgateError
 from ..core.tenants import ADMIN, Principal
+from .forward import FORWARDED, forward_http
 
 log = logging.getLogger("sandgate.api")
+SANDBOX_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -39,6 +42,20 @@ class AuthMixin:
                 return tenant
         return None if token else ADMIN  # no serve token: authentication is off, every caller is the admin
 
+    async def remote_node(self) -> Optional[str]:
+        """The URL of the fleet node holding the sandbox this request names (its
+        first path argument), if that is another node; None otherwise."""
+        fleet = self.settings.get("fleet")
+        if fleet is None or not self.path_args or FORWARDED in self.request.headers:
+            return None
+        sid = self.path_args[0]
+        if not SANDBOX_ID.fullmatch(sid or ""):
+            return None
+        try:
+            return await fleet.locate(sid, self.who)
+        except SandgateError as e:
+            raise web.HTTPError(e.status, "%s", e.message) from None
+
     def set_cors(self) -> None:
         allow = self.settings["sandgate"].allow_origin
         origin = self.request.headers.get("Origin")
@@ -57,6 +74,9 @@ class APIHandler(AuthMixin, web.RequestHandler):
         self.who = await self.authenticate()
         if self.who is None:
             raise web.HTTPError(401)
+        url = await self.remote_node()
+        if url:  # the sandbox lives on another node: its answer is this one's
+            await forward_http(self, url, self.settings["sandgate"].node_id)
 
     @property
     def service(self):

@@ -23,6 +23,7 @@ from ..core.fanout import IopubLimiter
 from ..core.messages import message, status_message
 from . import wire
 from .base import AuthMixin
+from .forward import Relay
 
 log = logging.getLogger("sandgate.channels")
 STALLED = 5.0  # seconds over its buffer bound without a byte reaching the socket: it stopped reading
@@ -30,6 +31,7 @@ STALLED = 5.0  # seconds over its buffer bound without a byte reaching the socke
 
 class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
     kernel = None
+    relay = None  # a Relay when the kernel lives on another node of the fleet
     v1 = False
     replay = True  # this client takes what the kernel said while nobody listened
     pending_bytes = 0  # written to tornado but not yet to the socket
@@ -42,6 +44,10 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.who = await self.authenticate()
         if self.who is None:
             raise web.HTTPError(401)
+        url = await self.remote_node()
+        if url:  # on another node: this websocket is relayed there, frame by frame
+            self.relay = Relay(self, url, self.settings["sandgate"].node_id)
+            return await super().get(kernel_id)
         try:
             self.kernel = self.settings["service"].get(kernel_id, self.who)  # another tenant's: 404 too
         except NotFound:
@@ -65,7 +71,14 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
     def select_subprotocol(self, subprotocols):
         return wire.V1 if wire.V1 in subprotocols else None
 
-    def open(self, kernel_id):
+    async def open(self, kernel_id):
+        if self.relay:
+            try:
+                await self.relay.open(self.selected_subprotocol)
+            except Exception as e:
+                log.warning("kernel %s: cannot relay to its node: %s", kernel_id, e)
+                self.close(1011, "the node holding this kernel is unreachable")
+            return
         # Without it, Nagle and delayed ACKs add tens of ms to every small reply.
         self.set_nodelay(True)
         self.v1 = self.selected_subprotocol == wire.V1
@@ -79,6 +92,9 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         log.info("websocket open on kernel %s (%s)", kernel_id, "v1" if self.v1 else "legacy")
 
     def on_message(self, message):
+        if self.relay:
+            self.relay.send(message)
+            return
         try:
             channel, parts, header = (wire.decode_v1 if self.v1 else wire.decode_legacy)(message)
         except wire.WireError as e:
@@ -137,6 +153,8 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.close(1008, "client too slow: output not read")
 
     def on_close(self):
+        if self.relay:
+            self.relay.close()
         if self.kernel:
             self.kernel.detach(self)
 

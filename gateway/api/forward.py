@@ -1,0 +1,116 @@
+"""Forwarding a request for a sandbox on another node of the fleet to that node.
+
+The caller's own credentials go along (every node of a fleet knows the same
+admin token and, through the shared store, every tenant's), so the node that
+holds the sandbox authenticates and scopes the request as if it had come to
+it directly. ``X-Sandgate-Forwarded`` names the node it came through and is
+never forwarded again. Bodies stream both ways as they arrive: a streamed
+execute's events, and kernel websocket frames, are not gathered first.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from tornado import httpclient, websocket
+from tornado.httputil import HTTPHeaders
+
+from .. import metrics
+
+log = logging.getLogger("sandgate.forward")
+FORWARDED = "X-Sandgate-Forwarded"
+# What a request carries to the other node, and what comes back to the client. Not Origin: this
+# node has checked it (and answers CORS itself); to the other node the request comes from this one.
+REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept")
+RESPONSE_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "Content-Disposition")
+TIMEOUT = 3600.0  # an execute may run for its own timeout (at most an hour)
+
+
+def headers_for(request, node: str) -> dict:
+    h = {k: request.headers[k] for k in REQUEST_HEADERS if k in request.headers}
+    h[FORWARDED] = node
+    return h
+
+
+async def forward_http(handler, base_url: str, node: str) -> None:
+    """Answer ``handler``'s request with the other node's answer, streamed."""
+    req = handler.request
+    metrics.FORWARDED.labels("http").inc()
+    status = {"code": 502, "reason": "Bad Gateway"}
+    headers = HTTPHeaders()
+
+    def on_header(line: str) -> None:
+        if line.startswith("HTTP/"):
+            parts = line.split(" ", 2)
+            status["code"], status["reason"] = int(parts[1]), (parts[2].strip() if len(parts) > 2 else "")
+            headers.clear()  # a 100 Continue's headers are not the answer's
+        elif line.strip():
+            headers.parse_line(line.rstrip("\r\n"))
+        else:  # the end of the headers: the client gets them now, before any body
+            handler.set_status(status["code"], status["reason"] or None)
+            for name in RESPONSE_HEADERS:
+                if name in headers:
+                    handler.set_header(name, headers[name])
+
+    def on_chunk(chunk: bytes) -> None:
+        handler.write(chunk)
+        handler.flush()
+
+    fetch = httpclient.HTTPRequest(
+        base_url.rstrip("/") + req.uri, method=req.method, headers=headers_for(req, node),
+        body=req.body if req.method in ("POST", "PUT", "PATCH") else None, allow_nonstandard_methods=True,
+        request_timeout=TIMEOUT, header_callback=on_header, streaming_callback=on_chunk, decompress_response=False)
+    try:
+        await httpclient.AsyncHTTPClient().fetch(fetch, raise_error=False)
+    except OSError as e:
+        log.warning("%s %s: node at %s unreachable: %s", req.method, req.path, base_url, e)
+        if not handler._headers_written:
+            handler.set_status(503)
+            handler.set_header("Content-Type", "application/json")
+            handler.write({"reason": "Service Unavailable", "code": "unavailable",
+                           "message": f"the node holding this sandbox ({base_url}) is unreachable: {e}"})
+    handler.finish()
+
+
+class Relay:
+    """A kernel websocket to another node, relayed frame by frame both ways."""
+
+    def __init__(self, client: websocket.WebSocketHandler, base_url: str, node: str):
+        self.client, self.base_url, self.node = client, base_url, node
+        self.upstream: Optional[websocket.WebSocketClientConnection] = None
+
+    async def open(self, subprotocol: Optional[str]) -> None:
+        metrics.FORWARDED.labels("websocket").inc()
+        url = "ws" + self.base_url.rstrip("/")[4:] + self.client.request.uri
+        request = httpclient.HTTPRequest(url, headers=headers_for(self.client.request, self.node))
+        self.upstream = await websocket.websocket_connect(
+            request, subprotocols=[subprotocol] if subprotocol else None,
+            max_message_size=self.client.settings.get("websocket_max_message_size"))
+        self.client.set_nodelay(True)
+        self._pump()
+
+    def _pump(self) -> None:
+        async def run():
+            while True:
+                msg = await self.upstream.read_message()
+                if msg is None:  # the other node closed it: so does this end
+                    self.client.close(self.upstream.close_code, self.upstream.close_reason)
+                    return
+                try:
+                    await self.client.write_message(msg, binary=isinstance(msg, bytes))
+                except websocket.WebSocketClosedError:
+                    self.upstream.close()
+                    return
+
+        from tornado.ioloop import IOLoop
+
+        IOLoop.current().spawn_callback(run)
+
+    def send(self, message) -> None:
+        if self.upstream is not None:
+            self.upstream.write_message(message, binary=isinstance(message, bytes))
+
+    def close(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close()

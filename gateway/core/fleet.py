@@ -1,0 +1,80 @@
+"""The fleet: several gateway nodes sharing one session store (store/redis.py).
+
+Each node writes a heartbeat with a TTL (its URL, free capacity); a request
+for a sandbox held by another live node is forwarded there (api/forward.py).
+A node whose heartbeat expired is not answering: its sandboxes are reported
+unavailable, naming the node. Restoring them elsewhere from shared checkpoint
+storage is not done yet (docs/operations.md says what is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Dict, Optional
+
+from .errors import Unavailable
+from .tenants import Principal
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("sandgate.fleet")
+HEARTBEAT_INTERVAL = 2.0
+HEARTBEAT_TTL = 10.0  # five missed beats: the node is taken for gone
+
+
+class Fleet:
+    def __init__(self, manager: "SandboxManager", url: str):
+        self.manager, self.url = manager, url
+        self.store = manager.store
+        self.failures = 0
+        self._task: Optional[asyncio.Task] = None
+        self._stop = asyncio.Event()
+
+    def info(self) -> dict:
+        free = self.manager.settings.max_kernels - len(self.manager.sandboxes)
+        return {"url": self.url, "capacity": max(0, free), "sandboxes": len(self.manager.sandboxes)}
+
+    async def beat(self) -> None:
+        await self.store.heartbeat(self.store.node, HEARTBEAT_TTL, self.info())
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task:
+            await self._task
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.beat()
+                if self.failures:
+                    log.info("heartbeat written again after %d failures", self.failures)
+                    self.failures = 0
+            except Exception as e:  # the store restarting: keep beating, it reconnects
+                self.failures += 1
+                log.warning("heartbeat failed (%d in a row): %s", self.failures, e)
+            try:
+                await asyncio.wait_for(self._stop.wait(), HEARTBEAT_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+
+    async def nodes(self) -> Dict[str, dict]:
+        return await self.store.live_nodes()
+
+    async def locate(self, sandbox_id: str, who: Principal) -> Optional[str]:
+        """The URL of the live node that holds ``sandbox_id``, if that is not
+        this one; None when it is here or nowhere (the caller answers 404)."""
+        if sandbox_id in self.manager.sandboxes:
+            return None
+        rec = await self.store.get(sandbox_id)
+        if rec is None or rec.node == self.store.node or not who.sees(rec.owner):
+            return None
+        info = (await self.store.live_nodes()).get(rec.node)
+        if not info or not info.get("url"):
+            raise Unavailable(f"sandbox {sandbox_id} is on node {rec.node}, which is not answering "
+                              f"(no heartbeat for {HEARTBEAT_TTL:g} s)")
+        return info["url"]
