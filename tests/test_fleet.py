@@ -93,3 +93,30 @@ def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path):
         a.stop()
         b.stop()
         server.stop()
+
+
+def test_new_sandboxes_go_where_there_is_room_and_lists_span_the_fleet(home, tmp_path):
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    server = RedisServer(redis_dir)
+    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false"}
+    a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a", "SANDGATE_MAX_KERNELS": "2"})
+    b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b", "SANDGATE_MAX_KERNELS": "8"})
+    try:
+        r = a.request("POST", "/api/sandboxes", {})  # asked of A, which has less room: made on B
+        assert r.status == 201, r.body
+        sid = r.json()["id"]
+        assert [s["id"] for s in b.request("GET", "/api/sandboxes?").json()] == [sid]
+        assert b.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "test"}).status == 200
+        assert a.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "test"}).status == 404
+        kid = a.request("POST", "/api/kernels", {"name": "python3"}).json()["id"]  # the Jupyter API too
+        for g in (a, b):  # either node lists the whole fleet
+            assert sorted(s["id"] for s in g.request("GET", "/api/sandboxes").json()) == sorted([sid, kid])
+            assert sorted(k["id"] for k in g.request("GET", "/api/kernels").json()) == sorted([sid, kid])
+        for i in (sid, kid):
+            assert a.request("DELETE", f"/api/sandboxes/{i}").status == 204
+        assert a.request("GET", "/api/sandboxes").json() == []
+    finally:
+        a.stop()
+        b.stop()
+        server.stop()

@@ -15,7 +15,7 @@ from tornado import web
 
 from ..core.errors import SandgateError
 from ..core.tenants import ADMIN, Principal
-from .forward import FORWARDED, forward_http
+from .forward import FORWARDED, forward_http, gather
 
 log = logging.getLogger("sandgate.api")
 SANDBOX_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -77,6 +77,29 @@ class APIHandler(AuthMixin, web.RequestHandler):
         url = await self.remote_node()
         if url:  # the sandbox lives on another node: its answer is this one's
             await forward_http(self, url, self.settings["sandgate"].node_id)
+
+    def fleet_wide(self):
+        """The fleet, when this request is to be answered for the whole of it
+        (not when another node forwarded it here)."""
+        fleet = self.settings.get("fleet")
+        return None if fleet is None or FORWARDED in self.request.headers else fleet
+
+    async def reply_list(self, local: list) -> None:
+        """A list of sandboxes or kernels: this node's, and every other live node's."""
+        fleet = self.fleet_wide()
+        others = await gather(self, await fleet.others(), self.settings["sandgate"].node_id) if fleet else []
+        self.reply(local + others)
+
+    async def placed_elsewhere(self) -> bool:
+        """A create that another node, with more free capacity, answers."""
+        fleet = self.fleet_wide()
+        body = parse_json(self.request.body or b"{}")
+        if isinstance(body, dict) and body.get("checkpoint"):
+            return False  # a start from a checkpoint stays with the checkpoints, in this node's home
+        url = await fleet.place() if fleet else None
+        if url:
+            await forward_http(self, url, self.settings["sandgate"].node_id)
+        return bool(url)
 
     @property
     def service(self):

@@ -78,10 +78,12 @@ def kernel(handler: APIHandler, kernel_id: str):
 
 
 class KernelsHandler(APIHandler):
-    def get(self):
-        self.reply([k.model() for k in self.service.list(self.who)])
+    async def get(self):
+        await self.reply_list([k.model() for k in self.service.list(self.who)])
 
     async def post(self):
+        if await self.placed_elsewhere():
+            return
         body = self.body(KernelCreate)
         k = await start_kernel(self, body.name, body.env)
         self.set_header("Location", f"/api/kernels/{k.id}")

@@ -67,10 +67,12 @@ class ExecuteResult(BaseModel):
 
 
 class SandboxesHandler(APIHandler):
-    def get(self):
-        self.reply([sandbox_model(sb) for sb in self.service.list(self.who)])
+    async def get(self):
+        await self.reply_list([sandbox_model(sb) for sb in self.service.list(self.who)])
 
     async def post(self):
+        if await self.placed_elsewhere():
+            return
         body = self.body(SandboxCreate)
         sb = await self.service.start(StartRequest(**dict(body)), self.who)
         self.set_header("Location", f"/api/sandboxes/{sb.id}")

@@ -65,6 +65,19 @@ class Fleet:
     async def nodes(self) -> Dict[str, dict]:
         return await self.store.live_nodes()
 
+    async def others(self) -> Dict[str, str]:
+        """node -> URL of every other live node."""
+        return {n: i["url"] for n, i in (await self.store.live_nodes()).items()
+                if n != self.store.node and i.get("url")}
+
+    async def place(self) -> Optional[str]:
+        """Where a new sandbox goes: the URL of the live node with the most free
+        capacity, if that is not this one (ties stay here); None: here."""
+        mine = self.info()["capacity"]
+        best = max(((i.get("capacity", 0), n, i.get("url")) for n, i in (await self.store.live_nodes()).items()
+                    if n != self.store.node and i.get("url")), default=None)
+        return best[2] if best and best[0] > mine else None
+
     async def locate(self, sandbox_id: str, who: Principal) -> Optional[str]:
         """The URL of the live node that holds ``sandbox_id``, if that is not
         this one; None when it is here or nowhere (the caller answers 404)."""
