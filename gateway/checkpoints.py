@@ -297,9 +297,16 @@ def _read_small(fd: int, size: int) -> bytes:
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
+# In a directory other gateway processes write too (a fleet's shared volume), a checkpoint
+# without its record, or a blob no record names, may be another node's unfinished one:
+# only those older than this are swept.
+SHARED_GRACE = 3600.0
+
+
 class CheckpointStore:
-    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None):
+    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None, shared: bool = False):
         self.root = root
+        self.shared = shared
         self.blobs = root / "blobs"
         self.items = root / "items"
         self.limits = limits or SnapshotLimits()
@@ -571,7 +578,7 @@ class CheckpointStore:
         with self._lock:
             live = self._live()
             for sha in candidates:
-                if sha not in live:
+                if sha not in live and self._old(self._blob(sha)):
                     self._blob(sha).unlink(missing_ok=True)
 
     def _live(self) -> Set[str]:  # under the lock
@@ -647,16 +654,25 @@ class CheckpointStore:
         removed = 0
         with self._lock:
             for d in self.items.iterdir():
-                if d.name not in self._open and not (d / "checkpoint.json").is_file():
+                if d.name not in self._open and not (d / "checkpoint.json").is_file() and self._old(d):
                     shutil.rmtree(d, ignore_errors=True)
                     removed += 1
             live = self._live()
             for blob in self.blobs.glob("*/*"):
                 sha = blob.name.split(".tmp-")[0]
-                if sha not in live:  # an aborted or crashed write, or garbage
+                if sha not in live and self._old(blob):  # an aborted or crashed write, or garbage
                     blob.unlink(missing_ok=True)
                     removed += 1
         return removed
+
+    def _old(self, path: Path) -> bool:
+        """Whether no other process can still be writing ``path`` (always, unless shared)."""
+        if not self.shared:
+            return True
+        try:
+            return time.time() - path.stat().st_mtime > SHARED_GRACE
+        except OSError:
+            return False
 
     def gc(self, keep_sandboxes: set, keep_checkpoints: set) -> int:
         """Drop checkpoints that no branch references: not taken from a live

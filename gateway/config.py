@@ -55,6 +55,8 @@ class Settings(BaseModel):
     checkpoint_max_bytes: int = Field(16 << 30, ge=0)  # a workspace snapshot's logical size
     checkpoint_max_new_bytes: int = Field(4 << 30, ge=0)  # what one snapshot may add to the blob store
     checkpoint_max_files: int = Field(100_000, ge=0)
+    # A checkpoint directory shared by the nodes of a fleet (a shared volume); None: the home's own.
+    checkpoint_store: Optional[Path] = None
     execute_output_mb: int = Field(16, ge=1)  # what one POST /execute collects; the rest is cut, marked
     client_buffer_mb: int = Field(32, ge=1)  # unsent output per websocket before it is dropped as too slow
     iopub_msg_rate: float = Field(1000, ge=0, allow_inf_nan=False)  # per client, messages/s; 0 = no limit
@@ -103,7 +105,7 @@ class Settings(BaseModel):
         "shutdown_parallel": "SANDGATE_SHUTDOWN_PARALLEL", "keep_sandboxes": "SANDGATE_KEEP_SANDBOXES",
         "checkpoint_max_bytes": "SANDGATE_CHECKPOINT_MAX_BYTES",
         "checkpoint_max_new_bytes": "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
-        "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES",
+        "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES", "checkpoint_store": "SANDGATE_CHECKPOINT_STORE",
         "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",

@@ -120,3 +120,56 @@ def test_new_sandboxes_go_where_there_is_room_and_lists_span_the_fleet(home, tmp
         a.stop()
         b.stop()
         server.stop()
+
+
+def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(home, tmp_path):
+    """Three nodes, one Redis, one checkpoint directory: B dies (kill -9) holding a sandbox; the next
+    request through A restores it there from its newest checkpoint and says so on iopub; a Redis restart
+    costs nothing."""
+    redis_dir, shared = tmp_path / "redis", tmp_path / "checkpoints"
+    redis_dir.mkdir()
+    server = RedisServer(redis_dir)
+    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_CHECKPOINT_STORE": str(shared)}
+    a, b, c = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "abc")
+    b2 = None
+    try:
+        sid = b.request("POST", "/api/sandboxes", {}).json()["id"]  # ties stay on the node asked: B
+        assert b.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "t"}).status == 200
+        r = a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "x = 41\nopen('kept.txt', 'w').write('files')"})
+        assert r.json()["status"] == "ok", r.body
+        cp = a.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "before"}).json()["id"]
+        a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "x = 99"})  # after it: lost with B
+        b.proc.kill()
+        b.proc.wait()
+        # Once B's heartbeat has expired, the next request makes the sandbox A's, paused at the checkpoint.
+        back = wait_for(lambda: (lambda r: r.json() if r.status == 200 and r.json()["state"] == "paused" else None)(
+            a.request("GET", f"/api/sandboxes/{sid}")), timeout=40)
+        assert back["resume_from"] == cp and "node-b stopped answering" in back["reason"], back
+        assert a.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "t"}).status == 200  # A's
+        ws = c.connect(sid)  # through C, relayed to A, which holds it now
+        got = ws.execute("print(x, open('kept.txt').read())")
+        assert got["stdout"] == "41 files\n", got
+        notices = [m for m in ws.seen if m["msg_type"] == "stream" and "[sandgate:" in m["content"]["text"]]
+        assert notices and f"checkpoint {cp}" in notices[0]["content"]["text"], notices
+        ws.close()
+        # Redis restarts (its append-only file kept): heartbeats resume and nothing is lost.
+        server.stop()
+        server.start()
+        r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
+            c.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x + 1)"})), timeout=30)
+        assert r.json()["stdout"] == "42\n", r.body
+        assert sorted(n for n in wait_for(lambda: (lambda v: v if len(v) == 2 else None)(
+            [line for line in server_nodes(server)]), timeout=30)) == ["node-a", "node-c"]
+        assert c.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    finally:
+        # B's runtime outlived it; B started again on its home finds no record of its own and reaps it.
+        b2 = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
+        for g in (a, b2, c):
+            g.stop()
+        server.stop()
+
+
+def server_nodes(server) -> list:
+    out = subprocess.run(["redis-cli", "-s", str(server.sock), "--scan", "--pattern", "sandgate:alive:*"],
+                         capture_output=True, text=True).stdout.split()
+    return [k.rsplit(":", 1)[1] for k in out]

@@ -87,7 +87,12 @@ class Fleet:
         if rec is None or rec.node == self.store.node or not who.sees(rec.owner):
             return None
         info = (await self.store.live_nodes()).get(rec.node)
-        if not info or not info.get("url"):
+        if info and info.get("url"):
+            return info["url"]
+        gone = f"its node {rec.node} stopped answering (no heartbeat for {HEARTBEAT_TTL:g} s)"
+        if not self.manager.checkpoints.shared:
             raise Unavailable(f"sandbox {sandbox_id} is on node {rec.node}, which is not answering "
-                              f"(no heartbeat for {HEARTBEAT_TTL:g} s)")
-        return info["url"]
+                              f"(no heartbeat for {HEARTBEAT_TTL:g} s); without a shared checkpoint store "
+                              "(SANDGATE_CHECKPOINT_STORE) no other node can restore it")
+        await self.manager.take_over(rec, gone)
+        return None  # this node's now

@@ -50,9 +50,9 @@ class SandboxManager:
         self._starting = 0
         self._rootfs: Optional[Path] = None
         self._agent_dir: Optional[Path] = None
-        self.checkpoints = CheckpointStore(settings.home / "checkpoints", SnapshotLimits(
+        self.checkpoints = CheckpointStore(settings.checkpoint_store or settings.home / "checkpoints", SnapshotLimits(
             max_bytes=settings.checkpoint_max_bytes, max_new_bytes=settings.checkpoint_max_new_bytes,
-            max_files=settings.checkpoint_max_files))
+            max_files=settings.checkpoint_max_files), shared=settings.checkpoint_store is not None)
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
         self.stopping = False  # set by suspend_all: nothing wakes up any more
@@ -171,9 +171,11 @@ class SandboxManager:
         log.info("sandbox %s deleted", sandbox_id)
 
     async def gc(self) -> int:
-        """Checkpoints no live sandbox's line needs, and their blobs (off the loop)."""
-        live = set(self.sandboxes)
-        keep = {c for sb in self.sandboxes.values() for c in (sb.record.origin, sb.record.resume_from) if c}
+        """Checkpoints no live sandbox's line needs, and their blobs (off the loop).
+        A shared checkpoint store counts every node's sandboxes, from the store."""
+        records = await self.store.list() if self.checkpoints.shared else [sb.record for sb in self.sandboxes.values()]
+        live = set(self.sandboxes) | {r.id for r in records}
+        keep = {c for r in records for c in (r.origin, r.resume_from, r.head) if c}
         return await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
 
     # -- the gateway's own restart -----------------------------------------------
@@ -234,6 +236,24 @@ class SandboxManager:
                 for p in d.iterdir():
                     if p.name.removesuffix(".img") not in keep:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    async def take_over(self, rec: SandboxRecord, why: str) -> Sandbox:
+        """A sandbox of a node that stopped answering, made this node's: back from
+        its newest checkpoint (in the shared store) on first use, or dead if it
+        has none. The store's compare-and-set makes one node the winner."""
+        new = self._lost(rec, why).model_copy(update={"node": self.store.node, "runtime": None})
+        if not await self.store.compare_and_set(new, rec.state):
+            raise Unavailable(f"sandbox {rec.id} is being taken over by another node; try again")
+        sb = Sandbox(self, new)
+        sb._stored = new.state
+        if new.resume_from and sb.driver.shares_workspace:
+            await sb.fill_workspace(self.checkpoints.get(new.resume_from))  # the files, as at the checkpoint
+        else:
+            await sb.ws.create()  # a VM's disk comes with its checkpoint; a dead one restarts empty
+        self.sandboxes[sb.id] = sb
+        sb.publish_egress()
+        log.warning("sandbox %s taken over from node %s: %s", sb.id, rec.node, new.reason)
+        return sb
 
     def _lost(self, rec: SandboxRecord, why: str) -> SandboxRecord:
         """A sandbox whose running state is gone: back from its newest

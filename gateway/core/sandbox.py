@@ -37,7 +37,7 @@ from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
 from .errors import Conflict, LimitReached, Unavailable
 from .fanout import FanOut, Listener
-from .messages import error_reply, iso, iso_epoch, output_of, status_message, utcnow
+from .messages import error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
 from .record import SandboxRecord
 from .states import State
 from .tunnel import DEFAULT_PORT
@@ -626,6 +626,9 @@ class Sandbox:
             shutil.rmtree(image, ignore_errors=True)
         await self.to(State.RUNNING, paused_image=None, pause_mode=None, resume_from=None,
                       reason=None if not r.resume_from else r.reason)
+        if r.resume_from:  # clients learn what the recovery cost them, on the kernel's own channel
+            self.fanout.broadcast("iopub", message("stream", {"name": "stderr", "text": f"[sandgate: {r.reason}]\n"}))
+            self.fanout.broadcast("iopub", status_message("idle"))
         log.info("sandbox %s resumed", self.id)
 
     def _wake(self) -> None:
