@@ -92,6 +92,7 @@ def cmd_serve(args) -> int:
             print(f"Token (generated): {settings.token}", flush=True)
         print(f"  jupyter lab --gateway-url={url} --GatewayClient.auth_token=<token>", flush=True)
         stop = asyncio.Event()
+        app.settings["shutdown"] = stop.set
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -195,6 +196,30 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_drain(args) -> int:
+    """Hand this node's sandboxes off to the rest of the fleet, with a line per sandbox, then it stops."""
+    import urllib.error
+    import urllib.request
+
+    url = args.url.rstrip("/") + "/api/fleet/drain"
+    req = urllib.request.Request(url, data=b"{}", method="POST",
+                                 headers={"Authorization": f"token {args.token or ''}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            for line in r:
+                step = json.loads(line)
+                if step.get("drained"):
+                    print(f"drained: {step['moved']} moved, {step['failed']} failed; the gateway stops")
+                    return 1 if step["failed"] else 0
+                what = f"at checkpoint {step['checkpoint']}" if step.get("checkpoint") else step.get("error", "dead: as it was")
+                print(f"{step['done']}/{step['total']}: sandbox {step['sandbox']} {what}", flush=True)
+    except urllib.error.HTTPError as e:
+        print(f"sandgate drain: {e.code}: {json.loads(e.read() or b'{}').get('message', e.reason)}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"sandgate drain: {url}: {e}", file=sys.stderr)
+    return 1
+
+
 def cmd_bench(args) -> int:
     if args.restart:
         from sandgate_bench.restart import run as run_restart
@@ -257,6 +282,12 @@ def main(argv=None) -> int:
     i.add_argument("--vm", action="store_true", help="also build the microVM kernel, initramfs and root disk")
     i.add_argument("--home")
     i.set_defaults(fn=cmd_image)
+
+    dr = sub.add_parser("drain", help="move this node's sandboxes to the rest of the fleet, then stop it")
+    dr.add_argument("--url", default=os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"),
+                    help="the node to drain (SANDGATE_URL)")
+    dr.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="its admin token (SANDGATE_TOKEN)")
+    dr.set_defaults(fn=cmd_drain)
 
     d = sub.add_parser("doctor", help="what this host supports")
     d.add_argument("--json", action="store_true")

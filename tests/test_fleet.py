@@ -5,6 +5,7 @@ in the home's SQLite file, and a restarted gateway reads them back from there.""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 from conftest import Gateway, wait_for
 from test_store import RedisServer
@@ -173,3 +174,40 @@ def server_nodes(server) -> list:
     out = subprocess.run(["redis-cli", "-s", str(server.sock), "--scan", "--pattern", "sandgate:alive:*"],
                          capture_output=True, text=True).stdout.split()
     return [k.rsplit(":", 1)[1] for k in out]
+
+
+def test_sandgate_drain_moves_a_nodes_sandboxes_and_stops_it(home, tmp_path):
+    redis_dir, shared = tmp_path / "redis", tmp_path / "checkpoints"
+    redis_dir.mkdir()
+    server = RedisServer(redis_dir)
+    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_CHECKPOINT_STORE": str(shared)}
+    a, b = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "ab")
+    try:
+        here = {"X-Sandgate-Forwarded": "test"}  # made on B itself, whatever the capacities say
+        sids = [b.request("POST", "/api/sandboxes", {}, headers=here).json()["id"] for _ in range(2)]
+        for i, sid in enumerate(sids):
+            assert a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": f"x = {i}"}).status == 200
+        assert b.request("POST", f"/api/sandboxes/{sids[1]}/pause", {"mode": "memory"}).json()["state"] == "frozen"
+        drain = subprocess.run([sys.executable, "-m", "sandgate.cli", "drain", "--url", b.url, "--token", b.token],
+                               capture_output=True, text=True, timeout=300)
+        assert drain.returncode == 0, drain.stderr
+        assert "1/2: sandbox" in drain.stdout and "drained: 2 moved, 0 failed" in drain.stdout, drain.stdout
+        assert b.proc.wait(60) == 0  # B stopped by itself
+        for i, sid in enumerate(sids):  # nothing was lost: each resumes on A with its memory
+            r = a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x)"})
+            assert r.status == 200 and r.json()["stdout"] == f"{i}\n", r.body
+            assert "drain" in a.request("GET", f"/api/sandboxes/{sid}").json()["reason"]
+        assert sorted(s["id"] for s in a.request("GET", "/api/sandboxes", headers={"X-Sandgate-Forwarded": "t"})
+                      .json()) == sorted(sids)
+        assert a.request("GET", "/api/fleet").json()["nodes"].keys() == {"node-a"}
+        # Without a fleet there is nothing to drain to: a clear 409.
+        solo = Gateway(home, tmp_path)
+        try:
+            r = solo.request("POST", "/api/fleet/drain", {})
+            assert r.status == 409 and "SANDGATE_REDIS_URL" in r.json()["message"], r.body
+        finally:
+            solo.stop()
+    finally:
+        a.stop()
+        b.stop()
+        server.stop()

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Dict, Optional
 
-from .errors import Unavailable
+from .errors import Conflict, Unavailable
 from .tenants import Principal
 
 if TYPE_CHECKING:
@@ -32,8 +32,10 @@ class Fleet:
         self._task: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
 
+    draining = False  # set by a drain: no new sandboxes come here
+
     def info(self) -> dict:
-        free = self.manager.settings.max_kernels - len(self.manager.sandboxes)
+        free = 0 if self.draining else self.manager.settings.max_kernels - len(self.manager.sandboxes)
         return {"url": self.url, "capacity": max(0, free), "sandboxes": len(self.manager.sandboxes)}
 
     async def beat(self) -> None:
@@ -65,6 +67,28 @@ class Fleet:
     async def nodes(self) -> Dict[str, dict]:
         return await self.store.live_nodes()
 
+    async def drain(self):
+        """Hand every sandbox of this node off (Manager.hand_off), one at a time,
+        yielding progress; then this node's heartbeat goes, so nothing is sent
+        here any more. Needs the shared checkpoint store."""
+        if not self.manager.checkpoints.shared:
+            raise Conflict("a drain needs a checkpoint store shared by the fleet (SANDGATE_CHECKPOINT_STORE): "
+                           "other nodes could not restore this node's checkpoints")
+        self.draining = True
+        await self.beat()  # capacity 0 at once: placement stops choosing this node
+        todo = list(self.manager.sandboxes.values())
+        for n, sb in enumerate(todo, 1):
+            try:
+                cid = await self.manager.hand_off(sb)
+                yield {"sandbox": sb.id, "checkpoint": cid, "done": n, "total": len(todo)}
+            except Exception as e:  # it stays here, and says why; the drain goes on
+                log.warning("drain: sandbox %s not handed off: %s", sb.id, e)
+                yield {"sandbox": sb.id, "error": str(e), "done": n, "total": len(todo)}
+        self._stop.set()
+        if self._task:
+            await self._task
+        await self.store.retire(self.store.node)
+
     async def others(self) -> Dict[str, str]:
         """node -> URL of every other live node."""
         return {n: i["url"] for n, i in (await self.store.live_nodes()).items()
@@ -89,7 +113,10 @@ class Fleet:
         info = (await self.store.live_nodes()).get(rec.node)
         if info and info.get("url"):
             return info["url"]
-        gone = f"its node {rec.node} stopped answering (no heartbeat for {HEARTBEAT_TTL:g} s)"
+        if self.draining:
+            raise Unavailable(f"node {self.store.node} is draining: ask another node for sandbox {sandbox_id}")
+        gone = (f"its node {rec.node} stopped answering (no heartbeat for {HEARTBEAT_TTL:g} s)" if rec.node
+                else "it was moved off its node by a drain")
         if not self.manager.checkpoints.shared:
             raise Unavailable(f"sandbox {sandbox_id} is on node {rec.node}, which is not answering "
                               f"(no heartbeat for {HEARTBEAT_TTL:g} s); without a shared checkpoint store "

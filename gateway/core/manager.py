@@ -237,11 +237,33 @@ class SandboxManager:
                     if p.name.removesuffix(".img") not in keep:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
+    async def hand_off(self, sb: Sandbox) -> Optional[str]:
+        """Drain one sandbox off this node: checkpoint it into the shared store
+        (a paused or frozen one is resumed for that), stop it here, and leave
+        its record to whichever node is asked for it next (Fleet.locate).
+        Returns the checkpoint's id (None for a dead one, handed off as it is)."""
+        cid = None
+        update = {"node": "", "runtime": None}
+        if sb.state != State.DEAD:
+            cid = (await sb.checkpoint("drain", resume=False)).id
+            update.update(state=State.PAUSED, pause_mode="disk", paused_image=None, resume_from=cid,
+                          reason=f"moved off node {self.store.node} by a drain: it resumes from checkpoint {cid}")
+        await self.store.put(sb.record.model_copy(update=update))
+        self.sandboxes.pop(sb.id, None)
+        if self.egress:
+            self.egress.forget(sb.id)
+        await sb.ws.delete()  # its files are in the checkpoint
+        log.info("sandbox %s handed off%s", sb.id, f" at checkpoint {cid}" if cid else " (dead)")
+        return cid
+
     async def take_over(self, rec: SandboxRecord, why: str) -> Sandbox:
         """A sandbox of a node that stopped answering, made this node's: back from
         its newest checkpoint (in the shared store) on first use, or dead if it
         has none. The store's compare-and-set makes one node the winner."""
-        new = self._lost(rec, why).model_copy(update={"node": self.store.node, "runtime": None})
+        if rec.node == "" and rec.state == State.PAUSED and rec.resume_from:  # drained: nothing was lost
+            new = rec.model_copy(update={"node": self.store.node})
+        else:
+            new = self._lost(rec, why).model_copy(update={"node": self.store.node, "runtime": None})
         if not await self.store.compare_and_set(new, rec.state):
             raise Unavailable(f"sandbox {rec.id} is being taken over by another node; try again")
         sb = Sandbox(self, new)

@@ -62,5 +62,9 @@ class SessionStore(abc.ABC):
     async def live_nodes(self) -> Dict[str, dict]:
         return {self.node: {}}
 
+    async def retire(self, node: str) -> None:
+        """``node`` is going away (drained): not live from now on."""
+        return None
+
     async def close(self) -> None:
         return None

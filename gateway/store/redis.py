@@ -148,5 +148,8 @@ class RedisStore(SessionStore):
         infos = await self.redis.mget([f"{self.prefix}alive:{n}" for n in nodes]) if nodes else []
         return {n: json.loads(i) for n, i in zip(nodes, infos) if i is not None}
 
+    async def retire(self, node: str) -> None:
+        await self.redis.delete(f"{self.prefix}alive:{node}")
+
     async def close(self) -> None:
         await self.redis.aclose()
