@@ -45,6 +45,7 @@ import asyncio
 import base64
 import errno
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -61,6 +62,8 @@ _ZEROS = bytes(CHUNK)  # shared: holes are hashed from it, never read from disk
 _COPY_STEP = 64 << 20  # copy_file_range per call, so a cancel is seen between steps
 _SEEK_DATA = getattr(os, "SEEK_DATA", None)
 _SEEK_HOLE = getattr(os, "SEEK_HOLE", None)
+
+log = logging.getLogger("sandgate.checkpoints")
 
 
 class FileEntry(BaseModel):
@@ -304,9 +307,10 @@ SHARED_GRACE = 3600.0
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None, shared: bool = False):
+    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None, shared: bool = False, replica=None):
         self.root = root
-        self.shared = shared
+        self.shared = shared  # other nodes read (and, but for a replica, write) these checkpoints too
+        self.replica = replica  # an S3Replica (checkpoint_replica.py): each commit is copied there
         self.blobs = root / "blobs"
         self.items = root / "items"
         self.limits = limits or SnapshotLimits()
@@ -322,7 +326,10 @@ class CheckpointStore:
     # -- records -----------------------------------------------------------
 
     def new_dir(self) -> tuple[str, Path]:
-        cid = uuid.uuid4().hex[:12]
+        return self.new_dir_for(uuid.uuid4().hex[:12])
+
+    def new_dir_for(self, cid: str) -> tuple[str, Path]:
+        """An unfinished checkpoint's directory (sweep leaves it while this process has it open)."""
         path = self.items / cid
         with self._lock:
             self._open.add(cid)
@@ -335,7 +342,27 @@ class CheckpointStore:
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha
 
-    def commit(self, cp: Checkpoint) -> None:
+    def commit(self, cp: Checkpoint, replicate: bool = True) -> None:
+        """Make ``cp`` whole (its record, written last); then copy it to the replica, if any. A
+        failed copy is logged: the checkpoint stands here, but another node cannot restore it."""
+        self._commit_here(cp)
+        if self.replica is not None and replicate:
+            try:
+                self.replica.upload(self, cp)
+            except Exception as e:
+                log.warning("checkpoint %s not copied to the replica (other nodes cannot restore it): %s", cp.id, e)
+
+    def fetch(self, cid: str) -> Optional[Checkpoint]:
+        """``cid`` from the replica when this node does not have it (another node took it)."""
+        if self.replica is None:
+            return None
+        try:
+            self.get(cid)
+            return None
+        except KeyError:
+            return self.replica.fetch(self, cid)
+
+    def _commit_here(self, cp: Checkpoint) -> None:
         path = self.items / cp.id / "checkpoint.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(cp.model_dump_json())
@@ -688,6 +715,11 @@ class CheckpointStore:
         dropped = [cid for cid in cps if cid not in keep]
         for cid in dropped:
             self.discard(cid)
+            if self.replica is not None:
+                try:
+                    self.replica.delete(cid)
+                except Exception as e:
+                    log.warning("checkpoint %s left in the replica: %s", cid, e)
         return len(dropped) + self.sweep()
 
     # -- off the event loop -----------------------------------------------

@@ -55,8 +55,9 @@ class Settings(BaseModel):
     checkpoint_max_bytes: int = Field(16 << 30, ge=0)  # a workspace snapshot's logical size
     checkpoint_max_new_bytes: int = Field(4 << 30, ge=0)  # what one snapshot may add to the blob store
     checkpoint_max_files: int = Field(100_000, ge=0)
-    # A checkpoint directory shared by the nodes of a fleet (a shared volume); None: the home's own.
-    checkpoint_store: Optional[Path] = None
+    # Checkpoints a fleet's nodes share: a directory on a shared volume, or s3://bucket/prefix (each
+    # node's own in its home, copied to the bucket); "": the home's own, for this node alone.
+    checkpoint_store: str = ""
     execute_output_mb: int = Field(16, ge=1)  # what one POST /execute collects; the rest is cut, marked
     client_buffer_mb: int = Field(32, ge=1)  # unsent output per websocket before it is dropped as too slow
     iopub_msg_rate: float = Field(1000, ge=0, allow_inf_nan=False)  # per client, messages/s; 0 = no limit

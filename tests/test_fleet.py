@@ -211,3 +211,64 @@ def test_sandgate_drain_moves_a_nodes_sandboxes_and_stops_it(home, tmp_path):
         a.stop()
         b.stop()
         server.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_path):
+    """The same failure with no shared volume: checkpoints are copied to an S3-compatible bucket
+    (moto's server, a real HTTP S3 endpoint on loopback) and the surviving node fetches them."""
+    import boto3
+
+    port = free_port()
+    moto = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    s3env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+             "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=s3env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                      aws_secret_access_key="test", region_name="us-east-1")
+    wait_for(lambda: (lambda: (s3.create_bucket(Bucket="sandgate-test"), True)[1])() if _up(port) else None, timeout=30)
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    server = RedisServer(redis_dir)
+    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false",
+              "SANDGATE_CHECKPOINT_STORE": "s3://sandgate-test/fleet", **s3env}
+    a, b = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "ab")
+    b2 = None
+    try:
+        here = {"X-Sandgate-Forwarded": "test"}
+        sid = b.request("POST", "/api/sandboxes", {}, headers=here).json()["id"]
+        assert b.request("POST", f"/api/sandboxes/{sid}/execute",
+                         {"code": "x = 41\nopen('kept.txt', 'w').write('files')"}).json()["status"] == "ok"
+        cp = b.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()["id"]
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="sandgate-test", Prefix="fleet/")["Contents"]]
+        assert f"fleet/items/{cp}/checkpoint.json" in keys and any(k.startswith("fleet/blobs/") for k in keys)
+        assert any(k.startswith(f"fleet/items/{cp}/state/") for k in keys)
+        b.proc.kill()
+        b.proc.wait()
+        back = wait_for(lambda: (lambda r: r.json() if r.status == 200 and r.json()["state"] == "paused" else None)(
+            a.request("GET", f"/api/sandboxes/{sid}")), timeout=40)
+        assert back["resume_from"] == cp, back
+        r = a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x, open('kept.txt').read())"})
+        assert r.json()["stdout"] == "41 files\n", r.body
+        assert a.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    finally:
+        b2 = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
+        for g in (a, b2):
+            g.stop()
+        server.stop()
+        moto.terminate()
+        moto.wait(20)
+
+
+def _up(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

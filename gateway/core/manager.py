@@ -50,9 +50,14 @@ class SandboxManager:
         self._starting = 0
         self._rootfs: Optional[Path] = None
         self._agent_dir: Optional[Path] = None
-        self.checkpoints = CheckpointStore(settings.checkpoint_store or settings.home / "checkpoints", SnapshotLimits(
+        where, replica = settings.checkpoint_store, None
+        if where.startswith("s3://"):
+            from ..checkpoint_replica import S3Replica
+
+            where, replica = "", S3Replica(settings.checkpoint_store)
+        self.checkpoints = CheckpointStore(Path(where) if where else settings.home / "checkpoints", SnapshotLimits(
             max_bytes=settings.checkpoint_max_bytes, max_new_bytes=settings.checkpoint_max_new_bytes,
-            max_files=settings.checkpoint_max_files), shared=settings.checkpoint_store is not None)
+            max_files=settings.checkpoint_max_files), shared=bool(settings.checkpoint_store), replica=replica)
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
         self.stopping = False  # set by suspend_all: nothing wakes up any more
@@ -260,6 +265,8 @@ class SandboxManager:
         """A sandbox of a node that stopped answering, made this node's: back from
         its newest checkpoint (in the shared store) on first use, or dead if it
         has none. The store's compare-and-set makes one node the winner."""
+        for cid in {rec.head, rec.resume_from} - {None}:  # another node's checkpoints, from the replica
+            await asyncio.to_thread(self.checkpoints.fetch, cid)
         if rec.node == "" and rec.state == State.PAUSED and rec.resume_from:  # drained: nothing was lost
             new = rec.model_copy(update={"node": self.store.node})
         else:
