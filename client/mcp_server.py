@@ -35,11 +35,13 @@ class SandboxSessions:
     def get(self, key: str) -> ToolSession:
         s = self.sessions.get(key)
         if s is None:
+            args = {"labels": {"mcp-session": key[:60]}, **self.create_args}
+
             def create() -> Sandbox:
-                sb = Sandbox.create(self.url, self.token, labels={"mcp-session": key[:60]}, **self.create_args)
+                sb = Sandbox.create(self.url, self.token, **args)
                 log.info("session %s: sandbox %s", key, sb.id)
                 return sb
-            s = self.sessions[key] = ToolSession(create=create, url=self.url, token=self.token)
+            s = self.sessions[key] = ToolSession(create=create, url=self.url, token=self.token, restore_args=args)
         return s
 
     def close(self, key: str) -> None:
@@ -63,7 +65,11 @@ def session_key(ctx) -> str:
     if req is not None:
         with contextlib.suppress(Exception):
             sid = req.headers.get("mcp-session-id")
-    return sid or f"conn-{id(ctx.session)}"
+    if sid:
+        return sid
+    # The connection (stdio: the only one) outlives the per-request ServerSession.
+    conn = getattr(ctx.session, "_connection", None) or ctx.session
+    return getattr(conn, "session_id", None) or f"conn-{id(conn)}"
 
 
 def to_mcp(r: ToolResult) -> types.CallToolResult:
@@ -116,10 +122,26 @@ def _version() -> str:
 
 
 async def run_stdio(url=None, token=None, create_args=None) -> None:
+    """Serve one connection on stdin/stdout. It ends when stdin closes, or at SIGTERM or
+    SIGINT (what MCP clients send next): either way the session's sandboxes are deleted."""
+    import signal
+
     from mcp.server.stdio import stdio_server
     server = make_server(url, token, create_args)
-    async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
+
+    async with anyio.create_task_group() as tg:
+        async def stop_on_signal():
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def serve():
+            async with stdio_server() as (read, write):
+                await server.run(read, write, server.create_initialization_options())
+            tg.cancel_scope.cancel()
+        tg.start_soon(stop_on_signal)
+        tg.start_soon(serve)
 
 
 def http_app(url=None, token=None, create_args=None, host="127.0.0.1", path="/mcp"):

@@ -217,11 +217,13 @@ class ToolSession:
     sandbox lazily, at the first call."""
 
     def __init__(self, sandbox: Optional[Sandbox] = None, create: Optional[Callable[[], Sandbox]] = None,
-                 own: bool = False, url: Optional[str] = None, token: Optional[str] = None):
+                 own: bool = False, url: Optional[str] = None, token: Optional[str] = None,
+                 restore_args: Optional[dict] = None):
         if sandbox is None and create is None:
             raise ValueError("ToolSession needs a sandbox or a create function")
         self._sandbox, self._create = sandbox, create
         self.url, self.token = (sandbox._http.url, sandbox._http.token) if sandbox is not None else (url, token)
+        self.restore_args = restore_args or {}  # what restore passes to Sandbox.create (labels, driver, ttl)
         self.sandboxes: List[Sandbox] = [sandbox] if (sandbox is not None and own) else []
         self.lock = threading.Lock()
 
@@ -302,7 +304,7 @@ def _dispatch(session: ToolSession, name: str, args: _Args) -> ToolResult:
     if name == "restore":
         sb = session._sandbox
         url, token = (sb._http.url, sb._http.token) if sb is not None else (session.url, session.token)
-        new = Sandbox.restore(args.checkpoint, url, token)
+        new = Sandbox.restore(args.checkpoint, url, token, **session.restore_args)
         session.switch(new)
         return ToolResult([{"type": "text", "text": f"started sandbox {new.id} from checkpoint {args.checkpoint}; "
                                                     "later calls run in it"}], False,
