@@ -235,3 +235,86 @@ def test_kernel_websocket_execute_and_reconnect_with_replay(sb):
             k.execute("import time; time.sleep(60)", timeout=2)
         assert e.value.execution.status == "timeout"
         assert k.execute("'after'", timeout=60).text == "'after'"
+
+
+# -- asyncio ------------------------------------------------------------------------
+def test_async_sandbox(gw):
+    from sandgate_client import AsyncSandbox
+
+    async def main():
+        chunks, results = [], []
+
+        async def on_result(r):  # a coroutine callback is awaited
+            await asyncio.sleep(0)
+            results.append(r)
+
+        async with AsyncSandbox.create(gw.url, gw.token, labels={"test": "async"}) as sb:
+            assert sb.info.state == "running"
+            ex = await sb.run_code("print('a'); print('b', flush=True); {'k': 1}", on_stdout=chunks.append,
+                                   on_result=on_result)
+            assert ex.text == "{'k': 1}" and ex.stdout == "a\nb\n" and "".join(chunks) == "a\nb\n"
+            assert [r.text for r in results] == ["{'k': 1}"]
+            err = await sb.run_code("undefined_name")
+            assert err.error.ename == "NameError" and err.status == "error"
+
+            await sb.files.write("x/y.txt", b"async bytes")
+            assert await sb.files.read("x/y.txt") == b"async bytes"
+            assert [e.name for e in await sb.files.list("x")] == ["y.txt"]
+            await sb.files.remove("x/y.txt")
+            with pytest.raises(NotFound):
+                await sb.files.read("x/y.txt")
+
+            await sb.run_code("n = 7")
+            cp = await sb.checkpoint("async")
+            async with await sb.fork(cp.id) as child:
+                assert (await child.run_code("n * 6")).text == "42"
+            assert (await sb.pause()).state == "paused"
+            assert (await sb.resume()).state == "running"
+            assert (await sb.run_code("n")).text == "7"
+
+            with pytest.raises(Timeout) as e:
+                await sb.run_code("import time; time.sleep(60)", timeout=1)
+            assert e.value.execution.status == "timeout"
+
+            k = await sb.kernel()
+            async with k:
+                out = await k.execute("print('over ws'); 2 ** 10")
+                assert out.stdout == "over ws\n" and out.text == "1024"
+                msg_id = await k.send("execute_request", {
+                    "code": "import time\ntime.sleep(3)\nprint('replayed')", "silent": False, "store_history": True,
+                    "user_expressions": {}, "allow_stdin": False})
+                k.drop()
+                ex = await k.wait(msg_id, timeout=60)
+                assert k.reconnects >= 1 and ex.stdout == "replayed\n"
+            sid = sb.id
+            assert sid in {s.id for s in await AsyncSandbox.list(gw.url, gw.token)}
+        with pytest.raises(NotFound):
+            await AsyncSandbox.connect(sid, gw.url, gw.token)
+        with pytest.raises(AuthError):
+            await AsyncSandbox.list(gw.url, "bad")
+        sb2 = await AsyncSandbox.create(gw.url, gw.token)
+        await sb2.delete()
+        with pytest.raises(NotFound):
+            await sb2.refresh()
+
+    asyncio.run(main())
+
+
+def test_async_errors_and_timeouts(gw):
+    from sandgate_client import AsyncSandbox
+
+    async def main():
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen()
+            url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+            started = time.monotonic()
+            with pytest.raises(Timeout):
+                await AsyncSandbox.list(url, "t", timeout=1)
+            assert time.monotonic() - started < 10
+        with pytest.raises(Unavailable):
+            await AsyncSandbox.list(url, "t", timeout=5)  # closed now: nothing listens
+        with pytest.raises(BadRequest):
+            await AsyncSandbox.create(gw.url, gw.token, driver="nope")
+
+    asyncio.run(main())
