@@ -8,6 +8,7 @@ import base64
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 from mcp import ClientSession
@@ -43,15 +44,15 @@ async def exercise(session: ClientSession) -> None:
     await session.initialize()
     tools = (await session.list_tools()).tools
     assert [t.name for t in tools] == NAMES
-    assert all(t.input_schema["type"] == "object" and t.description for t in tools)
+    assert all(t.inputSchema["type"] == "object" and t.description for t in tools)
 
     r = await session.call_tool("execute_code", {"code": "1+1"})
-    assert not r.is_error and "2" in text(r) and r.structured_content["result"] == "2"
+    assert not r.isError and "2" in text(r) and r.structuredContent["result"] == "2"
 
     r = await session.call_tool("write_file", {"path": "notes/hello.txt", "content": "hello from mcp"})
-    assert not r.is_error
+    assert not r.isError
     r = await session.call_tool("read_file", {"path": "notes/hello.txt"})
-    assert not r.is_error and text(r) == "hello from mcp"
+    assert not r.isError and text(r) == "hello from mcp"
     r = await session.call_tool("list_files", {"path": "notes"})
     assert "hello.txt" in text(r)
     # The kernel sees the file the tool wrote.
@@ -63,27 +64,27 @@ async def exercise(session: ClientSession) -> None:
                        ("restore", {"checkpoint": "nope"}), ("no_such_tool", {}),
                        ("execute_code", {"code": "1", "timeout": "soon"})]:
         r = await session.call_tool(name, args)
-        assert r.is_error and text(r), (name, args)
+        assert r.isError and text(r), (name, args)
     r = await session.call_tool("read_file", {"path": "missing.txt"})
-    assert r.is_error and "NotFound" in text(r)
+    assert r.isError and "NotFound" in text(r)
     r = await session.call_tool("execute_code", {"code": "raise KeyError('k')"})
-    assert r.is_error and "KeyError" in text(r)
+    assert r.isError and "KeyError" in text(r)
     r = await session.call_tool("execute_code", {"code": "6 * 7"})
-    assert not r.is_error and r.structured_content["result"] == "42"
+    assert not r.isError and r.structuredContent["result"] == "42"
 
     # An image comes back as image content (matplotlib is in the sandbox image).
     r = await session.call_tool("execute_code", {"code": PLOT})
     images = [c for c in r.content if c.type == "image"]
-    assert not r.is_error and len(images) == 1 and images[0].mime_type == "image/png"
+    assert not r.isError and len(images) == 1 and images[0].mimeType == "image/png"
     assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
 
     # checkpoint, then fork and restore continue in a new sandbox.
     await session.call_tool("execute_code", {"code": "v = 'saved'"})
-    cp = (await session.call_tool("checkpoint", {"name": "mcp"})).structured_content["checkpoint"]
+    cp = (await session.call_tool("checkpoint", {"name": "mcp"})).structuredContent["checkpoint"]
     await session.call_tool("execute_code", {"code": "v = 'changed'"})
     r = await session.call_tool("restore", {"checkpoint": cp})
-    assert not r.is_error
-    assert (await session.call_tool("execute_code", {"code": "v"})).structured_content["result"] == "'saved'"
+    assert not r.isError
+    assert (await session.call_tool("execute_code", {"code": "v"})).structuredContent["result"] == "'saved'"
 
 
 def test_stdio(gw, tmp_path):
@@ -94,7 +95,7 @@ def test_stdio(gw, tmp_path):
 
     async def main():
         async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write, read_timeout_seconds=180) as session:
+            async with ClientSession(read, write, read_timeout_seconds=timedelta(seconds=180)) as session:
                 await exercise(session)
                 mine = set(mcp_sandboxes(gw)) - before
                 assert len(mine) == 2  # the first sandbox and the restored one: one session's line
@@ -114,11 +115,11 @@ def test_stdio_server_needs_a_reachable_gateway_only_when_a_tool_runs(tmp_path):
 
     async def main():
         async with stdio_client(params, errlog=open(tmp_path / "err.log", "w")) as (read, write):
-            async with ClientSession(read, write, read_timeout_seconds=60) as session:
+            async with ClientSession(read, write, read_timeout_seconds=timedelta(seconds=60)) as session:
                 await session.initialize()
                 assert len((await session.list_tools()).tools) == 7
                 r = await session.call_tool("execute_code", {"code": "1"})
-                assert r.is_error and "Unavailable" in text(r)
+                assert r.isError and "Unavailable" in text(r)
                 # Still answering.
                 assert len((await session.list_tools()).tools) == 7
 
@@ -150,23 +151,23 @@ def test_streamable_http_one_sandbox_per_session(gw, http_server):
     url, proc = http_server
 
     async def main():
-        async with streamable_http_client(url) as (read, write):
-            async with ClientSession(read, write, read_timeout_seconds=180) as a:
+        async with streamable_http_client(url) as (read, write, _):
+            async with ClientSession(read, write, read_timeout_seconds=timedelta(seconds=180)) as a:
                 await exercise(a)
                 a_boxes = set(mcp_sandboxes(gw))
-                async with streamable_http_client(url) as (read2, write2):
-                    async with ClientSession(read2, write2, read_timeout_seconds=180) as b:
+                async with streamable_http_client(url) as (read2, write2, _):
+                    async with ClientSession(read2, write2, read_timeout_seconds=timedelta(seconds=180)) as b:
                         await b.initialize()
                         # B has a sandbox of its own: A's variables are not there.
                         r = await b.call_tool("execute_code", {"code": "v"})
-                        assert r.is_error and "NameError" in text(r)
+                        assert r.isError and "NameError" in text(r)
                         await b.call_tool("execute_code", {"code": "w = 'b'"})
                         b_boxes = set(mcp_sandboxes(gw)) - a_boxes
                         assert len(b_boxes) == 1
                 # B ended (the client's DELETE): its sandbox is gone, A's are still there.
                 wait_for(lambda: not (set(mcp_sandboxes(gw)) & b_boxes), timeout=30)
                 assert a_boxes <= set(mcp_sandboxes(gw))
-                assert (await a.call_tool("execute_code", {"code": "v"})).structured_content["result"] == "'saved'"
+                assert (await a.call_tool("execute_code", {"code": "v"})).structuredContent["result"] == "'saved'"
                 return a_boxes
 
     a_boxes = asyncio.run(main())
