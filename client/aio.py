@@ -342,18 +342,19 @@ class AsyncKernelConnection:
 
     async def wait(self, msg_id: str, timeout: float = 60.0, callbacks: Optional[api.Callbacks] = None) -> Execution:
         cb = callbacks or api.Callbacks()
-        reply, idle = None, False
+        reply, idle, interrupted = None, False, False
         deadline = time.monotonic() + timeout
         while not (reply is not None and idle):
             try:
                 m = await self.recv(max(0.0, deadline - time.monotonic()))
             except Timeout:
+                if interrupted:
+                    break  # interrupted, and still no reply: give up waiting
                 await self._interrupt()
-                err = Timeout(f"the cell ran past its timeout of {timeout:g} s; the kernel was interrupted",
-                              code="timeout")
-                cb.live.status = "timeout"
-                err.execution = cb.live
-                raise err
+                # Wait (briefly) for the interrupted cell to end, or ipykernel would
+                # abort the next request as part of the failed cell's queue.
+                interrupted, deadline = True, time.monotonic() + 10
+                continue
             if (m.get("parent_header") or {}).get("msg_id") != msg_id:
                 continue
             t, c = m.get("msg_type") or m["header"]["msg_type"], m.get("content") or {}
@@ -373,8 +374,14 @@ class AsyncKernelConnection:
                         pending, cb.pending = cb.pending, []
                         await asyncio.gather(*pending)
         ex = cb.live
+        if interrupted:
+            ex.status = "timeout"
+            return api.finish(ex, timeout)
         ex.execution_count = reply.get("execution_count")
-        ex.status = "error" if reply.get("status") == "error" else "ok"
+        ex.status = {"error": "error", "aborted": "aborted"}.get(reply.get("status"), "ok")
+        if ex.status == "aborted":  # ipykernel dropped it: an earlier cell failed or was interrupted
+            ex.error = ExecutionError("Aborted", "the kernel aborted this request (an earlier request in its queue "
+                                                 "failed or was interrupted)")
         if reply.get("status") == "error" and ex.error is None:
             ex.error = ExecutionError(reply.get("ename", ""), reply.get("evalue", ""), reply.get("traceback", []))
         return api.finish(ex, timeout)

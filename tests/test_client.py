@@ -158,6 +158,12 @@ def test_typed_errors(gw, sb, tmp_path):
     # Another sandbox's checkpoint id that does not exist.
     with pytest.raises(NotFound):
         sb.fork("no-such-checkpoint")
+    # The websocket: the same errors, from the answer to the upgrade.
+    from sandgate_client import KernelConnection
+    with pytest.raises(AuthError):
+        KernelConnection(gw.url, "wrong-token", sb.id)
+    with pytest.raises(NotFound):
+        KernelConnection(gw.url, gw.token, "00000000-0000-4000-8000-000000000000")
     # Nothing listening: Unavailable, at once.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -286,6 +292,11 @@ def test_async_sandbox(gw):
                 k.drop()
                 ex = await k.wait(msg_id, timeout=60)
                 assert k.reconnects >= 1 and ex.stdout == "replayed\n"
+                with pytest.raises(Timeout) as e:
+                    await k.execute("import time; time.sleep(60)", timeout=2)
+                assert e.value.execution.status == "timeout"
+                # The interrupted cell ended before Timeout was raised: the next one is not aborted.
+                assert (await k.execute("'after'")).text == "'after'"
             sid = sb.id
             assert sid in {s.id for s in await AsyncSandbox.list(gw.url, gw.token)}
         with pytest.raises(NotFound):
