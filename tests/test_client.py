@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import pytest
 
 from conftest import Gateway, wait_for
-from sandgate_client import (AuthError, BadRequest, Conflict, LimitReached, NotFound, Sandbox, SandboxDied,
-                             Timeout, Unavailable)
+from sandgate_client import (AuthError, BadRequest, Conflict, LimitReached, NotFound, RateLimited, Sandbox,
+                             SandboxDied, Timeout, Unavailable)
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +187,26 @@ def test_a_sandbox_that_dies_raises_sandbox_died_then_conflict(gw):
             sb.run_code("1")
 
 
-def test_limit_reached(home, tmp_path):
-    g = Gateway(home, tmp_path, env={"SANDGATE_MAX_KERNELS": "1"})
+def test_limit_reached_and_rate_limited(home, tmp_path):
+    g = Gateway(home, tmp_path, env={"SANDGATE_MAX_KERNELS": "1", "SANDGATE_TENANT_CREATE_BURST": "1",
+                                     "SANDGATE_TENANT_CREATE_RATE": "1"})
     try:
+        r = g.request("POST", "/api/tenants", {"name": "acme"})
+        assert r.status == 201, r.body
+        tenant = r.json()["token"]
         with Sandbox.create(g.url, g.token):
             with pytest.raises(LimitReached) as e:
                 Sandbox.create(g.url, g.token)
             assert e.value.status == 403 and e.value.code == "limit" and "Maximum" in e.value.message
+            # The tenant's first creation takes its one token (then meets the gateway's limit) ...
+            with pytest.raises(LimitReached):
+                Sandbox.create(g.url, tenant)
+            # ... and the second is over its rate: 429 with when to retry.
+            with pytest.raises(RateLimited) as e:
+                Sandbox.create(g.url, tenant)
+            assert e.value.status == 429 and e.value.code == "rate_limited" and 0 < e.value.retry_after <= 60
+            # A tenant's token does not see the admin's sandbox.
+            assert Sandbox.list(g.url, tenant) == []
     finally:
         g.stop()
 
