@@ -7,12 +7,15 @@ import http.client
 import socket
 import ssl
 import time
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from urllib.parse import urlsplit
 
 from . import _api as api
 from .errors import Conflict, SandboxDied, SandgateError, Timeout, Unavailable, error_from
 from .models import Checkpoint, Execution, FileEntry, SandboxInfo
+
+if TYPE_CHECKING:
+    from .kernel import KernelConnection
 
 
 class HTTP:
