@@ -234,6 +234,19 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
+def cmd_tools(args) -> int:
+    from sandgate_client.tools import tool_definitions
+
+    print(json.dumps(tool_definitions(args.format), indent=2))
+    return 0
+
+
+def cmd_mcp(args) -> int:
+    from sandgate_client.mcp_server import main as mcp_main
+
+    return mcp_main(args)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="sandgate", description="A Jupyter kernel gateway whose kernels run in sandboxes.")
     ap.add_argument("--version", action="version", version=__version__)
@@ -304,6 +317,21 @@ def main(argv=None) -> int:
                         "result, the 1+1 round trip before and after")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
+
+    t = sub.add_parser("tools", help="print the agent tool definitions (JSON schema) for a tool-calling API")
+    t.add_argument("--format", default="openai", choices=["openai", "openai-responses", "anthropic", "mcp"])
+    t.set_defaults(fn=cmd_tools)
+
+    m = sub.add_parser("mcp", help="run an MCP server whose tools run code in a sandbox of a gateway (docs/mcp.md)")
+    m.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    m.add_argument("--url", default=os.environ.get("SANDGATE_URL"), help="the gateway (SANDGATE_URL)")
+    m.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="its token (SANDGATE_TOKEN)")
+    m.add_argument("--driver", help="sandbox driver for the sessions' sandboxes (the gateway's default)")
+    m.add_argument("--ttl", type=float, help="seconds a session's sandbox may live")
+    m.add_argument("--host", default="127.0.0.1", help="HTTP transport: address to listen on")
+    m.add_argument("--port", type=int, default=8765, help="HTTP transport: port")
+    m.add_argument("--path", default="/mcp", help="HTTP transport: the endpoint's path")
+    m.set_defaults(fn=cmd_mcp)
 
     args = ap.parse_args(argv)
     logformat.setup(args.log_level, args.log_format or os.environ.get("SANDGATE_LOG_FORMAT", "text"))
