@@ -66,6 +66,11 @@ def list_(timeout=None) -> Call:
                 timeout=timeout)
 
 
+def tree(timeout=None) -> Call:
+    """Every checkpoint and sandbox with their parent links (``{"nodes": [...]}``)."""
+    return Call("GET", "/api/sandboxes/tree", timeout=timeout)
+
+
 def delete(sid: str, timeout=None) -> Call:
     return Call("DELETE", f"/api/sandboxes/{sid}", ok=(204,), parse=lambda b: None, timeout=timeout)
 

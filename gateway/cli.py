@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from . import __version__, logformat
+from . import __version__, logformat, usercli
 from .config import Settings
 
 
@@ -295,6 +295,8 @@ def main(argv=None) -> int:
     i.add_argument("--vm", action="store_true", help="also build the microVM kernel, initramfs and root disk")
     i.add_argument("--home")
     i.set_defaults(fn=cmd_image)
+
+    usercli.add_commands(sub, os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"), os.environ.get("SANDGATE_TOKEN"))
 
     dr = sub.add_parser("drain", help="move this node's sandboxes to the rest of the fleet, then stop it")
     dr.add_argument("--url", default=os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"),
