@@ -30,7 +30,7 @@ NAMESPACE = "sandgate"
 def objects() -> list:
     kubectl = shutil.which("kubectl")
     assert kubectl, ("kubectl is needed to render deploy/k8s (`kubectl kustomize`); this machine's image "
-                     "has it; elsewhere install a kubectl of 1.21 or later")
+                     "has it (1.32); elsewhere install a recent one (its kustomize reads `labels:`)")
     out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -93,6 +93,8 @@ def test_all_in_one_namespace_with_the_expected_objects(objects):
         ("Deployment", "sandgate-redis"), ("Service", "sandgate-redis"), ("PersistentVolumeClaim", "sandgate-redis"),
         ("NetworkPolicy", "sandgate-redis"),
     ]), kinds
+    ns = one(objects, "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"  # the gateway is
     for o in objects:
         if o["kind"] != "Namespace":
             assert o["metadata"]["namespace"] == NAMESPACE, o["metadata"]
