@@ -11,6 +11,7 @@ from tornado.log import access_log
 from . import metrics
 from .api import channels, jupyter, sandboxes, tenants
 from .api import fleet as fleet_api
+from .api import health
 from .api import metrics as metrics_api
 from .config import Settings
 from .core.manager import SandboxManager
@@ -69,7 +70,7 @@ def log_request(handler: web.RequestHandler) -> None:
 
 
 def make_app(settings: Settings, service: SandboxService) -> web.Application:
-    routes = (sandboxes.routes() + tenants.routes() + metrics_api.routes() + fleet_api.routes() + jupyter.routes()
+    routes = (health.routes() + sandboxes.routes() + tenants.routes() + metrics_api.routes() + fleet_api.routes() + jupyter.routes()
               + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)])
     return web.Application(
         routes,
@@ -78,6 +79,7 @@ def make_app(settings: Settings, service: SandboxService) -> web.Application:
         service=service,
         notebook_sessions=jupyter.NotebookSessions(),
         fleet=None,  # a core.fleet.Fleet once serving on a shared store
+        stopping=False,  # set once the gateway shuts down: /healthz answers 503
         shutdown=lambda: None,  # stops the gateway (a drain ends with it); set by `sandgate serve`
         websocket_max_message_size=settings.max_message_mb << 20,
         websocket_ping_interval=30,

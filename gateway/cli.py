@@ -97,6 +97,7 @@ def cmd_serve(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        app.settings["stopping"] = True  # /healthz: 503 on connections still open while it stops
         log = logging.getLogger("sandgate")
         server.stop()
         await culler.stop()
