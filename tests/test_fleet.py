@@ -7,14 +7,27 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import Gateway, wait_for
 from test_store import RedisServer
 
 
-def test_a_gateway_keeps_its_sandboxes_and_tenants_in_redis(home, tmp_path):
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
+@pytest.fixture
+def redis(tmp_path):
+    """A redis-server of the test's own, stopped after it."""
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
+def fleet_env(server: RedisServer, **extra) -> dict:
+    return {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", **extra}
+
+
+def test_a_gateway_keeps_its_sandboxes_and_tenants_in_redis(home, tmp_path, redis):
+    server = redis
     env = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_NODE_ID": "node-a", "SANDGATE_KEEP_SANDBOXES": "true"}
     g = Gateway(home, tmp_path, env=env)
     g2 = None
@@ -43,16 +56,13 @@ def test_a_gateway_keeps_its_sandboxes_and_tenants_in_redis(home, tmp_path):
         g.stop()
         if g2:
             g2.stop()
-        server.stop()
 
 
-def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path):
+def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path, redis):
     """Two nodes on one Redis: a client of node A drives a sandbox on node B, REST and websocket
     (legacy and v1), streamed execute and files included; with B gone, A says which node is down."""
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
-    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false"}
+    server = redis
+    common = fleet_env(server)
     a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
     b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b"})
     try:
@@ -93,14 +103,11 @@ def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path):
     finally:
         a.stop()
         b.stop()
-        server.stop()
 
 
-def test_new_sandboxes_go_where_there_is_room_and_lists_span_the_fleet(home, tmp_path):
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
-    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false"}
+def test_new_sandboxes_go_where_there_is_room_and_lists_span_the_fleet(home, tmp_path, redis):
+    server = redis
+    common = fleet_env(server)
     a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a", "SANDGATE_MAX_KERNELS": "2"})
     b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b", "SANDGATE_MAX_KERNELS": "8"})
     try:
@@ -120,17 +127,14 @@ def test_new_sandboxes_go_where_there_is_room_and_lists_span_the_fleet(home, tmp
     finally:
         a.stop()
         b.stop()
-        server.stop()
 
 
-def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(home, tmp_path):
+def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(home, tmp_path, redis):
     """Three nodes, one Redis, one checkpoint directory: B dies (kill -9) holding a sandbox; the next
     request through A restores it there from its newest checkpoint and says so on iopub; a Redis restart
     costs nothing."""
-    redis_dir, shared = tmp_path / "redis", tmp_path / "checkpoints"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
-    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_CHECKPOINT_STORE": str(shared)}
+    server, shared = redis, tmp_path / "checkpoints"
+    common = fleet_env(server, SANDGATE_CHECKPOINT_STORE=str(shared))
     a, b, c = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "abc")
     b2 = None
     try:
@@ -154,7 +158,6 @@ def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(
         assert notices and f"checkpoint {cp}" in notices[0]["content"]["text"], notices
         ws.close()
         # Redis restarts (its append-only file kept): heartbeats resume and nothing is lost.
-        server.stop()
         server.start()
         r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
             c.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x + 1)"})), timeout=30)
@@ -167,7 +170,6 @@ def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(
         b2 = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
         for g in (a, b2, c):
             g.stop()
-        server.stop()
 
 
 def server_nodes(server) -> list:
@@ -176,11 +178,9 @@ def server_nodes(server) -> list:
     return [k.rsplit(":", 1)[1] for k in out]
 
 
-def test_sandgate_drain_moves_a_nodes_sandboxes_and_stops_it(home, tmp_path):
-    redis_dir, shared = tmp_path / "redis", tmp_path / "checkpoints"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
-    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_CHECKPOINT_STORE": str(shared)}
+def test_sandgate_drain_moves_a_nodes_sandboxes_and_stops_it(home, tmp_path, redis):
+    server, shared = redis, tmp_path / "checkpoints"
+    common = fleet_env(server, SANDGATE_CHECKPOINT_STORE=str(shared))
     a, b = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "ab")
     try:
         here = {"X-Sandgate-Forwarded": "test"}  # made on B itself, whatever the capacities say
@@ -210,7 +210,6 @@ def test_sandgate_drain_moves_a_nodes_sandboxes_and_stops_it(home, tmp_path):
     finally:
         a.stop()
         b.stop()
-        server.stop()
 
 
 def free_port() -> int:
@@ -221,7 +220,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_path):
+def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_path, redis):
     """The same failure with no shared volume: checkpoints are copied to an S3-compatible bucket
     (moto's server, a real HTTP S3 endpoint on loopback) and the surviving node fetches them."""
     import boto3
@@ -234,11 +233,8 @@ def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_p
     s3 = boto3.client("s3", endpoint_url=s3env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
                       aws_secret_access_key="test", region_name="us-east-1")
     wait_for(lambda: (lambda: (s3.create_bucket(Bucket="sandgate-test"), True)[1])() if _up(port) else None, timeout=30)
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir()
-    server = RedisServer(redis_dir)
-    common = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false",
-              "SANDGATE_CHECKPOINT_STORE": "s3://sandgate-test/fleet", **s3env}
+    server = redis
+    common = fleet_env(server, SANDGATE_CHECKPOINT_STORE="s3://sandgate-test/fleet", **s3env)
     a, b = (Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": f"node-{n}"}) for n in "ab")
     b2 = None
     try:
@@ -262,7 +258,6 @@ def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_p
         b2 = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
         for g in (a, b2):
             g.stop()
-        server.stop()
         moto.terminate()
         moto.wait(20)
 
