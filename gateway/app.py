@@ -8,7 +8,7 @@ import re
 from tornado import web
 from tornado.log import access_log
 
-from .api import channels, jupyter, sandboxes, tenants
+from .api import channels, e2b, jupyter, sandboxes, tenants
 from .config import Settings
 from .core.manager import SandboxManager
 from .core.service import SandboxService
@@ -62,6 +62,7 @@ def log_request(handler: web.RequestHandler) -> None:
 
 def make_app(settings: Settings, service: SandboxService) -> web.Application:
     routes = sandboxes.routes() + tenants.routes() + jupyter.routes() + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)]
+    routes += e2b.routes()  # the E2B-compatible API under /e2b (docs/e2b.md)
     return web.Application(
         routes,
         default_handler_class=jupyter.NotFoundHandler,
