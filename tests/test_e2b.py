@@ -206,6 +206,8 @@ def test_files_write_read_list(sb):
     blob = bytes(range(256)) * 64
     sb.files.write("data/blob.bin", io.BytesIO(blob))  # a file object: application/octet-stream
     assert bytes(sb.files.read("data/blob.bin", format="bytes")) == blob
+    sb.files.write("data/zipped.txt", "compressed on the way", gzip=True)  # octet-stream, Content-Encoding gzip
+    assert sb.files.read("data/zipped.txt") == "compressed on the way"
     written = sb.files.write_files([{"path": "a.txt", "data": "A"}, {"path": "/workspace/data/b.txt", "data": b"B"}])
     assert [w.path for w in written] == ["/workspace/a.txt", "/workspace/data/b.txt"]
     top = {e.name: e for e in sb.files.list(".")}
@@ -213,7 +215,7 @@ def test_files_write_read_list(sb):
     assert top["data"].type == e2b.FileType.DIR and top["notes.txt"].type == e2b.FileType.FILE
     assert top["notes.txt"].size == len("hello from e2b")
     deep = [e.path for e in sb.files.list("/workspace", depth=2)]
-    assert "/workspace/data/blob.bin" in deep and "/workspace/data/b.txt" in deep
+    assert {"/workspace/data/blob.bin", "/workspace/data/b.txt", "/workspace/data/zipped.txt"} <= set(deep)
     assert sb.files.exists("a.txt") and not sb.files.exists("missing.txt")
     assert sb.files.get_info("data").type == e2b.FileType.DIR
     sb.files.remove("a.txt")
@@ -250,6 +252,9 @@ def test_pause_and_connect(sb):
     assert sb.get_info().state == e2b.SandboxState.PAUSED
     paused = Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED])).next_items()
     assert sb.sandbox_id in [s.sandbox_id for s in paused]
+    assert sb.run_code("state").text == "'kept across pause'"  # a paused sandbox wakes for a cell...
+    assert sb.get_info().state == e2b.SandboxState.RUNNING
+    assert sb.pause() is True and sb.pause() is False  # ...and a second pause is E2B's "already paused"
     again = Sandbox.connect(sb.sandbox_id)
     assert again.get_info().state == e2b.SandboxState.RUNNING
     assert again.run_code("state").text == "'kept across pause'"

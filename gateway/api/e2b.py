@@ -23,8 +23,8 @@ working directory, /workspace, the only directory the files API reaches.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
+import gzip
 import hashlib
 import hmac
 import json
@@ -32,6 +32,7 @@ import logging
 import math
 import posixpath
 import time
+import zlib
 from typing import Dict, List, Optional
 from urllib.parse import parse_qsl
 
@@ -206,6 +207,14 @@ class E2BHandler(APIHandler):
             })
         return body
 
+    def lifetime(self, asked: Optional[int]) -> float:
+        """Seconds a sandbox lives: what was asked (above SANDGATE_MAX_TTL a 400), else E2B's default
+        within that ceiling."""
+        if asked:
+            return asked
+        ceiling = self.service.settings.max_ttl
+        return min(DEFAULT_TIMEOUT, ceiling) if ceiling else DEFAULT_TIMEOUT
+
     def live(self, sid: str):
         sb = self.service.get(sid, self.who)
         if e2b_state(sb) is None:
@@ -252,7 +261,7 @@ class SandboxesHandler(E2BHandler):
             raise BadRequest(f"envVars {', '.join(refused)}: only KERNEL_* and the names in SANDGATE_ENV_ALLOW reach "
                              "a Sandgate sandbox")
         labels = {**body.metadata, TEMPLATE_LABEL: body.templateID}
-        req = {"env": body.envVars, "labels": labels, "ttl": body.timeout or DEFAULT_TIMEOUT}
+        req = {"env": body.envVars, "labels": labels, "ttl": self.lifetime(body.timeout)}
         template = body.templateID
         if template in self.service.manager.drivers:
             req["driver"] = template  # a template named after a driver picks it: "gvisor", "qemu"
@@ -313,7 +322,7 @@ class RefreshHandler(E2BHandler):
         body = self.e2b_body(RefreshBody)
         sb = self.live(sid)
         left = (sb.record.expires or time.time()) - time.time()
-        await self.service.set_timeout(sid, max(left, body.duration or DEFAULT_TIMEOUT, 1), self.who)
+        await self.service.set_timeout(sid, max(left, self.lifetime(body.duration), 1), self.who)
         self.set_status(204)
         self.finish()
 
@@ -324,7 +333,10 @@ class PauseHandler(E2BHandler):
         sb = self.live(sid)
         if e2b_state(sb) == "paused":
             raise Conflict(f"Sandbox {sid} is already paused")
-        await self.service.pause(sid, "memory" if body.memory else "disk", self.who)
+        # E2B's memory=true is a full snapshot, false the filesystem only; Sandgate's pause to disk keeps both
+        # (the kernel's memory too), so either way it is that. (Sandgate's "memory" mode, frozen in place and
+        # saved nowhere, is not what E2B means.)
+        await self.service.pause(sid, "disk", self.who)
         self.set_status(204)
         self.finish()
 
@@ -352,7 +364,11 @@ class ForkHandler(E2BHandler):
         for _ in range(body.count or 1):
             try:
                 child = await self.service.fork(sid, None, self.who)
-                await self.service.set_timeout(child.id, body.timeout or DEFAULT_TIMEOUT, self.who)
+                try:
+                    await self.service.set_timeout(child.id, self.lifetime(body.timeout), self.who)
+                except SandgateError:
+                    await self.service.delete(child.id, self.who)  # a fork without its timeout is not left behind
+                    raise
                 results.append({"sandbox": self.sandbox_json(child)})
             except SandgateError as e:
                 results.append({"error": {"code": e.status, "message": e.message}})
@@ -434,7 +450,13 @@ class FilesHandler(SandboxCallHandler):
         else:
             if not path:
                 raise BadRequest("an octet-stream upload needs ?path=")
-            uploads = [(path, self.request.body)]
+            body = self.request.body
+            if self.request.headers.get("Content-Encoding", "").lower() == "gzip":  # files.write(gzip=True)
+                try:
+                    body = gzip.decompress(body)
+                except (OSError, EOFError, zlib.error) as e:
+                    raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
+            uploads = [(path, body)]
         out = []
         for p, data in uploads:
             rel = workspace_path(p)
