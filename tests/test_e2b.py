@@ -22,6 +22,7 @@ import e2b  # the test extra installs both SDKs: a missing one fails the module,
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from conftest import ANSI, Gateway
+from core_harness import make, run
 
 ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
 
@@ -366,3 +367,26 @@ def test_tenant_tokens_scope_what_the_sdk_sees(gw):
         assert r.json()["owner"] == "e2b-alpha"
     finally:
         assert Sandbox.kill(a.sandbox_id, api_key=tokens["e2b-alpha"]) is True
+
+
+# -- the service method the adapter added, on the fake driver (seconds) -------------------------
+@run
+async def test_set_timeout_in_the_service(tmp_path):
+    from sandgate.core.errors import BadRequest, CeilingExceeded, NotFound
+    from sandgate.core.service import StartRequest
+    from sandgate.core.tenants import Principal, TenantCreate
+
+    svc = make(tmp_path, max_ttl=1000)
+    sb = await svc.start(StartRequest(ttl=100))
+    before = sb.record.expires
+    await svc.set_timeout(sb.id, 600)
+    assert sb.record.expires > before and abs(sb.record.expires - (time.time() + 600)) < 5
+    assert (await svc.manager.store.get(sb.id)).expires == sb.record.expires  # kept: a restart keeps it
+    with pytest.raises(CeilingExceeded, match="SANDGATE_MAX_TTL"):
+        await svc.set_timeout(sb.id, 5000)
+    with pytest.raises(BadRequest):
+        await svc.set_timeout(sb.id, 0)
+    await svc.create_tenant(TenantCreate(name="other"))
+    with pytest.raises(NotFound):
+        await svc.set_timeout(sb.id, 60, Principal("other"))
+    await svc.delete(sb.id)
