@@ -14,7 +14,9 @@ neither side gets a pooled sandbox the other did not. One untimed round of
 each first (imports, connections). Medians per step and of the whole, the
 ratio of the medians, and the median of the per-round ratios e2b/native (the
 two runs of a round are adjacent in time, so host drift cancels; the goal:
-under 1.10).
+under 1.10). Then 100 ``run_code("1+1")`` round trips of each, alternating, on
+one live sandbox per side: the adapter's per-call cost without a sandbox
+start (hundreds of ms, noisy on a shared host) in the figure.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Dict, List
 from .kernels import BenchError, SandgateTarget, _default_home, cell_result, progress
 
 STEPS = ("create", "run_code", "kill", "total")
+RUN_CODE_REPS = 100  # run_code("1+1") round trips per side on a live sandbox
 
 
 class Native:
@@ -82,6 +85,33 @@ def e2b_round(opts: dict) -> Dict[str, float]:
     if ex.text != "2":
         raise BenchError(f"e2b: run_code('1+1') gave {ex!r}")
     return {"create": t1 - t0, "run_code": t2 - t1, "kill": t3 - t2, "total": t3 - t0}
+
+
+def round_trips(opts: dict, n: Native, reps: int) -> Dict[str, List[float]]:
+    """``run_code("1+1")`` on one live sandbox of each kind, ``reps`` times, alternating: the adapter's
+    per-call cost without a sandbox start in the figure."""
+    from e2b_code_interpreter import Sandbox
+
+    sb = Sandbox.create(**opts)
+    sid = n.call("POST", "/api/sandboxes", {}, expect=201)["id"]
+    out: Dict[str, List[float]] = {"e2b": [], "native": []}
+    try:
+        for i in range(reps + 5):  # 5 untimed first
+            for name in (("e2b", "native") if i % 2 == 0 else ("native", "e2b")):
+                t0 = time.perf_counter()
+                if name == "e2b":
+                    ok = sb.run_code("1+1").text == "2"
+                else:
+                    ok = cell_result(n.call("POST", f"/api/sandboxes/{sid}/execute", {"code": "1+1"})) == "2"
+                dt_ = time.perf_counter() - t0
+                if not ok:
+                    raise BenchError(f"{name}: 1+1 did not give 2")
+                if i >= 5:
+                    out[name].append(dt_)
+    finally:
+        sb.kill()
+        n.call("DELETE", f"/api/sandboxes/{sid}", expect=204)
+    return out
 
 
 def table(summary: Dict[str, Dict[str, float]]) -> str:
@@ -133,6 +163,8 @@ def run(args) -> int:
                 m = fn()
                 raw[name].append(m)
                 progress(f"round {i + 1}/{rounds} {name}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in m.items()))
+        progress(f"run_code round trips: {RUN_CODE_REPS} of each on one sandbox")
+        trips = round_trips(opts, native, RUN_CODE_REPS)
     except KeyboardInterrupt:
         failed = "interrupted"
     except BenchError as e:
@@ -161,7 +193,14 @@ def run(args) -> int:
               "fastest_total": fastest, "goal": "ratio < 1.10", "raw": raw}
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
+    trip = {k: statistics.median(v) for k, v in trips.items()}
+    trip_p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in trips.items()}
+    report["run_code_round_trip"] = {"median": trip, "p90": trip_p90, "raw": trips}
+    Path(args.output).write_text(json.dumps(report, indent=1))
     print(table(summary))
+    print(f"\nrun_code('1+1') on a live sandbox, {RUN_CODE_REPS} each: median {trip['e2b'] * 1000:.1f} ms (e2b) vs "
+          f"{trip['native'] * 1000:.1f} ms (native), {trip['e2b'] / trip['native']:.3f}; p90 "
+          f"{trip_p90['e2b'] * 1000:.1f} vs {trip_p90['native'] * 1000:.1f} ms")
     print(f"\nratio of the medians: {ratio:.3f}; median of the {rounds} per-round ratios: {paired:.3f}; "
           f"fastest round {fastest['e2b'] * 1000:.0f} ms vs {fastest['native'] * 1000:.0f} ms "
           f"({fastest['e2b'] / fastest['native']:.3f})")

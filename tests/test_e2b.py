@@ -182,6 +182,7 @@ def test_output_streams_while_the_cell_runs(sb):
                      "print('released' if os.path.exists('go') else 'never released')", on_stdout=on_stdout,
                      timeout=90)
     assert seen == ["first\n", "released\n"], seen
+    assert ex.logs.stdout == seen and ex.error is None
 
 
 def test_contexts(sb):

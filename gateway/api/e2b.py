@@ -176,7 +176,7 @@ class E2BHandler(APIHandler):
         key = self.request.headers.get("X-API-KEY", "")
         self.who = await (self.principal(key) if key else self.authenticate())
         if self.who is None:
-            raise SandgateErrorWithStatus(401, "Invalid API key: not a Sandgate token (the admin's or a tenant's)")
+            raise E2BError(401, "Invalid API key: not a Sandgate token (the admin's or a tenant's)")
 
     def e2b_body(self, model):
         data = parse_json(self.request.body or b"{}") if self.request.body else {}
@@ -237,7 +237,9 @@ class E2BHandler(APIHandler):
         self.finish(json.dumps({"code": status_code, "message": message}))
 
 
-class SandgateErrorWithStatus(SandgateError):
+class E2BError(SandgateError):
+    """An answer with a status of its own (401: a key or sandbox token that is not one)."""
+
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
@@ -329,7 +331,7 @@ class RefreshHandler(E2BHandler):
 
 class PauseHandler(E2BHandler):
     async def post(self, sid):
-        body = self.e2b_body(PauseBody)
+        self.e2b_body(PauseBody)  # validated; its memory flag: below
         sb = self.live(sid)
         if e2b_state(sb) == "paused":
             raise Conflict(f"Sandbox {sid} is already paused")
@@ -420,7 +422,7 @@ class SandboxCallHandler(E2BHandler):
             key = self.request.headers.get("X-API-KEY", "")
             self.who = await (self.principal(key) if key else self.authenticate())
             if self.who is None:
-                raise SandgateErrorWithStatus(401, "Invalid access token for this sandbox")
+                raise E2BError(401, "Invalid access token for this sandbox")
         self.live(self.sid)
 
 
@@ -579,10 +581,14 @@ class ExecuteHandler(InterpreterHandler):
         if body.env_vars:
             raise Unsupported("env_vars on run_code is not supported: set them in the code (os.environ)")
         self.set_header("Content-Type", "application/x-ndjson")
+        stream = getattr(self.request.connection, "stream", None)
+        if stream is not None:
+            stream.set_nodelay(True)  # each line leaves as it is written, as the kernel websocket's frames do
 
-        async def emit(line: dict) -> None:
+        async def emit(line: dict, flush: bool = True) -> None:
             self.write(json.dumps(line) + "\n")
-            await self.flush()
+            if flush:
+                await self.flush()
 
         async def on_output(out: dict) -> None:
             line = ndjson_of(out)
@@ -600,9 +606,9 @@ class ExecuteHandler(InterpreterHandler):
             await emit({"type": "error", "name": "TimeoutError", "value": f"the cell ran past {EXECUTE_TIMEOUT:.0f} s "
                         "and was interrupted", "traceback": ""})
         if result.get("execution_count") is not None:
-            await emit({"type": "number_of_executions", "execution_count": result["execution_count"]})
-        await emit({"type": "end_of_execution"})
-        self.finish()
+            await emit({"type": "number_of_executions", "execution_count": result["execution_count"]}, flush=False)
+        await emit({"type": "end_of_execution"}, flush=False)
+        self.finish()  # the last lines and the end of the chunked answer in one write
 
 
 class ContextsHandler(InterpreterHandler):
