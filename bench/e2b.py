@@ -14,9 +14,11 @@ neither side gets a pooled sandbox the other did not. One untimed round of
 each first (imports, connections). Medians per step and of the whole, the
 ratio of the medians, and the median of the per-round ratios e2b/native (the
 two runs of a round are adjacent in time, so host drift cancels; the goal:
-under 1.10). Then 100 ``run_code("1+1")`` round trips of each, alternating, on
-one live sandbox per side: the adapter's per-call cost without a sandbox
-start (hundreds of ms, noisy on a shared host) in the figure.
+under 1.10). Then 100 ``1+1`` round trips each, in rotating order, on a live
+sandbox: the SDK's ``run_code``, the same ``POST /e2b/execute`` over plain
+http.client (the adapter without the SDK's client), and the native execute:
+the per-call cost without a sandbox start (hundreds of ms, noisy on a shared
+host) in the figure.
 """
 
 from __future__ import annotations
@@ -94,13 +96,26 @@ def round_trips(opts: dict, n: Native, reps: int) -> Dict[str, List[float]]:
 
     sb = Sandbox.create(**opts)
     sid = n.call("POST", "/api/sandboxes", {}, expect=201)["id"]
-    out: Dict[str, List[float]] = {"e2b": [], "native": []}
+    out: Dict[str, List[float]] = {"e2b": [], "e2b-http": [], "native": []}
+    names = list(out)
+    headers = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49999", "Content-Type": "application/json"}
+    if sb._envd_access_token:
+        headers["X-Access-Token"] = sb._envd_access_token
+
+    def adapter_only() -> bool:
+        # /e2b/execute over the same keep-alive connection as the native calls: the adapter without the SDK
+        n.conn.request("POST", "/e2b/execute", body=json.dumps({"code": "1+1"}), headers=headers)
+        lines = [json.loads(x) for x in n.conn.getresponse().read().splitlines()]
+        return any(x.get("type") == "result" and x.get("text") == "2" for x in lines)
+
     try:
         for i in range(reps + 5):  # 5 untimed first
-            for name in (("e2b", "native") if i % 2 == 0 else ("native", "e2b")):
+            for name in names[i % 3:] + names[:i % 3]:
                 t0 = time.perf_counter()
                 if name == "e2b":
                     ok = sb.run_code("1+1").text == "2"
+                elif name == "e2b-http":
+                    ok = adapter_only()
                 else:
                     ok = cell_result(n.call("POST", f"/api/sandboxes/{sid}/execute", {"code": "1+1"})) == "2"
                 dt_ = time.perf_counter() - t0
@@ -198,9 +213,11 @@ def run(args) -> int:
     report["run_code_round_trip"] = {"median": trip, "p90": trip_p90, "raw": trips}
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(table(summary))
-    print(f"\nrun_code('1+1') on a live sandbox, {RUN_CODE_REPS} each: median {trip['e2b'] * 1000:.1f} ms (e2b) vs "
-          f"{trip['native'] * 1000:.1f} ms (native), {trip['e2b'] / trip['native']:.3f}; p90 "
-          f"{trip_p90['e2b'] * 1000:.1f} vs {trip_p90['native'] * 1000:.1f} ms")
+    print(f"\n1+1 on a live sandbox, {RUN_CODE_REPS} each, median / p90 (ms): the e2b SDK's run_code "
+          f"{trip['e2b'] * 1000:.1f} / {trip_p90['e2b'] * 1000:.1f}; /e2b/execute over plain http.client "
+          f"{trip['e2b-http'] * 1000:.1f} / {trip_p90['e2b-http'] * 1000:.1f}; native execute "
+          f"{trip['native'] * 1000:.1f} / {trip_p90['native'] * 1000:.1f}; adapter/native "
+          f"{trip['e2b-http'] / trip['native']:.3f}, SDK/native {trip['e2b'] / trip['native']:.3f}")
     print(f"\nratio of the medians: {ratio:.3f}; median of the {rounds} per-round ratios: {paired:.3f}; "
           f"fastest round {fastest['e2b'] * 1000:.0f} ms vs {fastest['native'] * 1000:.0f} ms "
           f"({fastest['e2b'] / fastest['native']:.3f})")

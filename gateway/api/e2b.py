@@ -218,7 +218,8 @@ class E2BHandler(APIHandler):
     def live(self, sid: str):
         sb = self.service.get(sid, self.who)
         if e2b_state(sb) is None:
-            raise NotFound(f"Sandbox {sid} not found ({sb.state.value}" + (f": {sb.record.reason})" if sb.record.reason else ")"))
+            why = f"{sb.state.value}: {sb.record.reason}" if sb.record.reason else sb.state.value
+            raise NotFound(f"Sandbox {sid} not found ({why})")
         return sb
 
     def write_error(self, status_code: int, **kwargs) -> None:
@@ -477,7 +478,8 @@ def entry_json(rel_dir: str, e: dict) -> dict:
     kind = {"directory": "FILE_TYPE_DIRECTORY", "file": "FILE_TYPE_FILE"}.get(e["type"], "FILE_TYPE_FILE")
     return {"name": e["name"], "type": kind, "path": sandbox_path(rel), "size": str(e.get("size", 0)),
             "isSymlink": e["type"] == "symlink",
-            "modifiedTime": dt.datetime.fromtimestamp(e.get("mtime", 0), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+            "modifiedTime": dt.datetime.fromtimestamp(e.get("mtime", 0), dt.timezone.utc)
+            .strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
 
 
 class RPCHandler(SandboxCallHandler):
