@@ -28,6 +28,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -129,6 +130,33 @@ def round_trips(opts: dict, n: Native, reps: int) -> Dict[str, List[float]]:
     return out
 
 
+ACCESS = re.compile(r"\] (\d{3}) (POST|DELETE) (\S+) \([^)]*\) ([\d.]+)ms")
+
+
+def server_times(log: str) -> Dict[str, Dict[str, float]]:
+    """The gateway's own time per step (tornado's access log), medians: the adapter's server-side cost
+    without either client's."""
+    got: Dict[str, Dict[str, List[float]]] = {"e2b": {}, "native": {}}
+    for status, method, path, ms in ACCESS.findall(log):
+        path = path.split("?", 1)[0]
+        if path in ("/e2b/v2/sandboxes", "/e2b/sandboxes"):
+            key = ("e2b", "create")
+        elif path == "/e2b/execute":
+            key = ("e2b", "run_code")
+        elif method == "DELETE" and path.startswith("/e2b/sandboxes/"):
+            key = ("e2b", "kill")
+        elif path == "/api/sandboxes" and method == "POST":
+            key = ("native", "create")
+        elif path.startswith("/api/sandboxes/") and path.endswith("/execute"):
+            key = ("native", "run_code")
+        elif method == "DELETE" and path.startswith("/api/sandboxes/"):
+            key = ("native", "kill")
+        else:
+            continue
+        got[key[0]].setdefault(key[1], []).append(float(ms) / 1000)
+    return {side: {step: statistics.median(v) for step, v in steps.items()} for side, steps in got.items()}
+
+
 def table(summary: Dict[str, Dict[str, float]]) -> str:
     rows = [("step (median, ms)", "e2b SDK via /e2b", "native sandbox API", "e2b/native")]
     for s in STEPS:
@@ -178,6 +206,7 @@ def run(args) -> int:
                 m = fn()
                 raw[name].append(m)
                 progress(f"round {i + 1}/{rounds} {name}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in m.items()))
+        served = server_times(t.log_path.read_text(errors="replace"))
         progress(f"run_code round trips: {RUN_CODE_REPS} of each on one sandbox")
         trips = round_trips(opts, native, RUN_CODE_REPS)
     except KeyboardInterrupt:
@@ -211,6 +240,7 @@ def run(args) -> int:
     trip = {k: statistics.median(v) for k, v in trips.items()}
     trip_p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in trips.items()}
     report["run_code_round_trip"] = {"median": trip, "p90": trip_p90, "raw": trips}
+    report["server_side_median"] = served
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(table(summary))
     print(f"\n1+1 on a live sandbox, {RUN_CODE_REPS} each, median / p90 (ms): the e2b SDK's run_code "
@@ -218,6 +248,10 @@ def run(args) -> int:
           f"{trip['e2b-http'] * 1000:.1f} / {trip_p90['e2b-http'] * 1000:.1f}; native execute "
           f"{trip['native'] * 1000:.1f} / {trip_p90['native'] * 1000:.1f}; adapter/native "
           f"{trip['e2b-http'] / trip['native']:.3f}, SDK/native {trip['e2b'] / trip['native']:.3f}")
+    if all(k in served.get(side, {}) for side in ("e2b", "native") for k in ("create", "run_code", "kill")):
+        print("gateway's own time per step, median (ms, its access log): " + "; ".join(
+            f"{k} {served['e2b'][k] * 1000:.1f} (e2b) vs {served['native'][k] * 1000:.1f} (native)"
+            for k in ("create", "run_code", "kill")))
     print(f"\nratio of the medians: {ratio:.3f}; median of the {rounds} per-round ratios: {paired:.3f}; "
           f"fastest round {fastest['e2b'] * 1000:.0f} ms vs {fastest['native'] * 1000:.0f} ms "
           f"({fastest['e2b'] / fastest['native']:.3f})")
