@@ -349,6 +349,16 @@ def test_unsupported_calls_and_bad_input(gw, sb):
     assert status == 400 and body["code"] == 400
 
 
+def test_a_template_named_after_a_driver_picks_it(gw):
+    s = Sandbox.create(template="gvisor")
+    try:
+        assert s.get_info().template_id == "gvisor"
+        assert gw.request("GET", f"/api/sandboxes/{s.sandbox_id}").json()["driver"] == "gvisor"
+        assert s.run_code("1+1").text == "2"
+    finally:
+        s.kill()
+
+
 def test_tenant_tokens_scope_what_the_sdk_sees(gw):
     tokens = {}
     for name in ("e2b-alpha", "e2b-beta"):
