@@ -9,7 +9,7 @@ from tornado import web
 from tornado.log import access_log
 
 from . import metrics
-from .api import channels, jupyter, sandboxes, tenants
+from .api import channels, e2b, jupyter, sandboxes, tenants
 from .api import fleet as fleet_api
 from .api import health
 from .api import metrics as metrics_api
@@ -72,6 +72,7 @@ def log_request(handler: web.RequestHandler) -> None:
 def make_app(settings: Settings, service: SandboxService) -> web.Application:
     routes = (health.routes() + sandboxes.routes() + tenants.routes() + metrics_api.routes() + fleet_api.routes() + jupyter.routes()
               + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)])
+    routes += e2b.routes()  # the E2B-compatible API under /e2b (docs/e2b.md)
     return web.Application(
         routes,
         default_handler_class=jupyter.NotFoundHandler,

@@ -226,6 +226,10 @@ def cmd_bench(args) -> int:
         from sandgate_bench.restart import run as run_restart
 
         return run_restart(args)
+    if args.e2b:
+        from sandgate_bench.e2b import run as run_e2b
+
+        return run_e2b(args)
     if args.drivers:
         from sandgate_bench.drivers import run as run_drivers
 
@@ -318,6 +322,9 @@ def main(argv=None) -> int:
     b.add_argument("--restart", type=int, metavar="N",
                    help="a gateway restart with N sandboxes instead: SIGTERM to exit, start to each one's first "
                         "result, the 1+1 round trip before and after")
+    b.add_argument("--e2b", type=int, metavar="N",
+                   help="the E2B adapter instead: N rounds of the e2b SDK's create -> run_code('1+1') -> kill beside "
+                        "the same through the native sandbox API, and their ratio (needs the e2b SDKs)")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
 

@@ -34,6 +34,11 @@ class AuthMixin:
         auth = self.request.headers.get("Authorization", "")
         scheme, _, value = auth.partition(" ")
         given = value.strip() if scheme.lower() in ("token", "bearer") else self.get_query_argument("token", "")
+        return await self.principal(given)
+
+    async def principal(self, given: str) -> Optional[Principal]:
+        """Who the token ``given`` is: the admin, a tenant, or None (401)."""
+        token = self.settings["sandgate"].token
         if token and given and hmac.compare_digest(given.encode(), token.encode()):
             return ADMIN
         if given:

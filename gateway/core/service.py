@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 import uuid
 from typing import Awaitable, Callable, Dict, List, Optional
 
@@ -369,6 +370,15 @@ class SandboxService:
             raise Unavailable("this gateway has no egress proxy: sandboxes here have no network")
         await sb.change_egress(policy)
         log.info("sandbox %s: egress policy now allow=%s deny=%s", sb.id, policy.allow, policy.deny)
+        return sb
+
+    async def set_timeout(self, sandbox_id: str, seconds: float, who: Principal = ADMIN) -> Sandbox:
+        """Delete it ``seconds`` from now (the culler's ttl), whatever it was; within the ttl ceiling."""
+        sb = self.get(sandbox_id, who)
+        if not seconds > 0:
+            raise BadRequest("timeout must be a positive number of seconds")
+        sb.record.expires = time.time() + self.ttl(min(float(seconds), MAX_TTL))
+        await sb.save()
         return sb
 
     async def checkpoint(self, sandbox_id: str, name: str = "", who: Principal = ADMIN) -> Checkpoint:
