@@ -45,7 +45,6 @@ import platform
 import select
 import shutil
 import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -63,7 +62,7 @@ PLAIN_IP, TLS_IP = "127.0.0.3", "127.0.0.4"  # loopback only
 PLAIN_NAME, TLS_NAME = "plain.test", "secure.test"
 CLIENT = Path(__file__).with_name("egress_client.py")
 HOST_SID = "bench-host"  # the host proxy's one "sandbox"
-ROUNDS = 2
+ROUNDS = 3
 SECONDS = 2.0
 SMALL, LARGE = 1024, 1 << 20
 SCHEMES = ("http", "https")
@@ -283,6 +282,33 @@ def own_cpu_seconds(p) -> float:
     return c.user + c.system
 
 
+# CPU as the sandbox's kernel (gVisor's sentry) counts it, per process: the kernel running the client
+# (this process), the agent (which carries the client's connections out), anything else.
+INSIDE_CPU = """
+import os as _os
+def _sg_cpu():
+    out = {}
+    for pid in _os.listdir('/proc'):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        who = 'kernel' if int(pid) == _os.getpid() else 'agent' if b'sandgate_agent.agent' in cmd else 'other'
+        out[pid] = (who, (int(fields[11]) + int(fields[12])) / _os.sysconf('SC_CLK_TCK'))
+    return out
+def _sg_cpu_delta(before):
+    d = {'kernel': 0.0, 'agent': 0.0, 'other': 0.0}
+    for pid, (who, s) in _sg_cpu().items():
+        d[who] += s - before.get(pid, (who, 0.0))[1]
+    return d
+"""
+
+
 # -- summaries and tables --------------------------------------------------------------------------
 
 def stats(runs: List[dict]) -> Dict[str, Optional[float]]:
@@ -293,9 +319,27 @@ def stats(runs: List[dict]) -> Dict[str, Optional[float]]:
         "n": n, "p50_ms": percentile(lat, 50) if lat else None, "p99_ms": percentile(lat, 99) if lat else None,
         "req_s": n / elapsed if elapsed else None, "mb_s": sum(r["bytes"] for r in runs) / elapsed / 1e6
         if elapsed else None}
-    for part in ("client", "proxy", "upstream"):
+    for part in sorted({p for r in runs for p in r["cpu"]}):
         vals = [r["cpu"][part] for r in runs if r["cpu"].get(part) is not None]
         out[f"{part}_cpu_ms_per_req"] = sum(vals) / n * 1e3 if vals and n else None
+    return out
+
+
+PAIRS = [("host-proxy", "host-direct"), ("sandbox-proxy", "host-direct"), ("sandbox-proxy", "host-proxy")]
+FIGURES = ("p50_ms", "p99_ms", "req_s", "mb_s")
+
+
+def round_ratios(by_loc: Dict[str, List[dict]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """For each figure and pair of locations, the median over rounds of the ratio within a round (the
+    measurements of one round ran back to back, so they saw the same load)."""
+    rounds = min(len(rs) for rs in by_loc.values())
+    per = [{loc: stats([rs[i]]) for loc, rs in by_loc.items()} for i in range(rounds)]
+    out: Dict[str, Dict[str, Optional[float]]] = {}
+    for a, b in PAIRS:
+        out[f"{a}/{b}"] = {}
+        for fig in FIGURES:
+            xs = [r[a][fig] / r[b][fig] for r in per if r[a][fig] is not None and r[b][fig]]
+            out[f"{a}/{b}"][fig] = statistics.median(xs) if xs else None
     return out
 
 
@@ -306,9 +350,16 @@ ROWS = {  # which figures a cell's table shows
     "large_c16": [("p50_ms", "p50 (ms)", "{:.1f}"), ("mb_s", "MB/s", "{:.0f}")],
     "new_c1": [("p50_ms", "p50 (ms)", "{:.2f}"), ("p99_ms", "p99 (ms)", "{:.2f}"), ("req_s", "requests/s", "{:.0f}")],
 }
-CPU_ROWS = [("client_cpu_ms_per_req", "client CPU per request (ms)"),
-            ("proxy_cpu_ms_per_req", "proxy process CPU per request (ms)"),
-            ("upstream_cpu_ms_per_req", "upstream CPU per request (ms)")]
+CPU_COLUMNS = [  # location, part, column
+    ("host-direct", "client", "direct: client"),
+    ("host-proxy", "client", "host-proxy: client"),
+    ("host-proxy", "proxy", "host-proxy: proxy"),
+    ("sandbox-proxy", "runsc", "sandbox: runsc"),
+    ("sandbox-proxy", "kernel_inside", "in it: client"),
+    ("sandbox-proxy", "agent_inside", "in it: agent"),
+    ("sandbox-proxy", "shim", "sandbox: shim"),
+    ("sandbox-proxy", "proxy", "sandbox: gateway"),
+]
 
 
 def markdown(head: List[str], rows: List[List[str]]) -> str:
@@ -319,11 +370,11 @@ def markdown(head: List[str], rows: List[List[str]]) -> str:
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
-def ratio(a, b) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
+def fmt_ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
-def egress_tables(summary: dict) -> str:
+def egress_tables(summary: dict, ratios: dict) -> str:
     out = []
     for scheme in SCHEMES:
         head = [f"{scheme.upper()}"] + list(LOCATIONS) + ["proxy/direct", "sandbox/direct", "sandbox/proxy"]
@@ -332,15 +383,13 @@ def egress_tables(summary: dict) -> str:
             for fig, name, fmt in ROWS[key]:
                 v = {loc: summary[scheme][key][loc].get(fig) for loc in LOCATIONS}
                 rows.append([f"{label}: {name}"] + ["-" if v[loc] is None else fmt.format(v[loc]) for loc in LOCATIONS]
-                            + [ratio(v["host-proxy"], v["host-direct"]), ratio(v["sandbox-proxy"], v["host-direct"]),
-                               ratio(v["sandbox-proxy"], v["host-proxy"])])
+                            + [fmt_ratio(ratios[scheme][key][f"{a}/{b}"][fig]) for a, b in PAIRS])
         out.append(markdown(head, rows))
-        head = [f"{scheme.upper()}: CPU per request (ms)"] + list(LOCATIONS)
+        head = [f"{scheme.upper()}: CPU ms per request"] + [c for _, _, c in CPU_COLUMNS]
         rows = []
         for key, label, _, _, _ in CELLS:
-            for fig, name in CPU_ROWS:
-                v = [summary[scheme][key][loc].get(fig) for loc in LOCATIONS]
-                rows.append([f"{label}: {name}"] + ["-" if x is None else f"{x:.3f}" for x in v])
+            v = [summary[scheme][key][loc].get(f"{part}_cpu_ms_per_req") for loc, part, _ in CPU_COLUMNS]
+            rows.append([label] + ["-" if x is None else f"{x:.2f}" for x in v])
         out.append(markdown(head, rows))
     return "\n\n".join(out)
 
@@ -415,7 +464,8 @@ def run(args) -> int:
         env = t.run_cell(on, "import os; print(os.environ.get('HTTPS_PROXY'), os.environ.get('HTTP_PROXY'))")
         if "None" in env["stdout"]:
             raise BenchError(f"the egress sandbox has no proxy in its environment: {env['stdout']!r}")
-        t.run_cell(on, f"_sgc = {{'__name__': 'sandgate_bench_client'}}\nexec({CLIENT.read_text()!r}, _sgc)")
+        t.run_cell(on, f"_sgc = {{'__name__': 'sandgate_bench_client'}}\nexec({CLIENT.read_text()!r}, _sgc)\n"
+                       + INSIDE_CPU)
 
         # Part 2 first: the round trip before any egress traffic.
         progress(f"1+1 round trips on both sandboxes: {runs} each after {WARMUP} warmup, batches of {BATCH}")
@@ -442,40 +492,55 @@ def run(args) -> int:
         kernels.clear()
 
         # Part 1.
-        psutil = need_psutil()
-        sandbox_procs = t.kernel_procs(on)
-        if not sandbox_procs:
-            raise BenchError(f"no runsc process of sandbox {on} found")
+        shims = t.kernel_procs(on)  # the gateway's child for this sandbox: the shim; runsc runs under it
+        if not shims:
+            raise BenchError(f"no process of sandbox {on} found under the gateway")
         gateway = t.ps
+
+        def runsc_procs():
+            psutil = need_psutil()
+            try:
+                return [c for p in shims for c in p.children()]
+            except psutil.Error:
+                return []
+
+        def cpu_now(loc: str) -> Dict[str, float]:
+            c = {"upstream": cpu_seconds([up.ps])}
+            if loc == "sandbox-proxy":
+                c.update(runsc=cpu_seconds(runsc_procs()), shim=sum(own_cpu_seconds(p) for p in shims),
+                         proxy=own_cpu_seconds(gateway))
+            else:
+                c["client"] = cpu_seconds([client.ps])
+                if loc == "host-proxy":
+                    c["proxy"] = own_cpu_seconds(hp.ps)
+            return c
 
         def measure(loc: str, cfg: dict) -> dict:
             cfg = dict(cfg)
             if loc == "host-direct":
                 cfg.update(address=PLAIN_IP if cfg["scheme"] == "http" else TLS_IP,
                            cafile=str(ca) if cfg["scheme"] == "https" else None)
-                client_p, proxy_p = [client.ps], None
             elif loc == "host-proxy":
                 cfg.update(proxy=host_proxy["url"], cafile=host_proxy["ca"] if cfg["scheme"] == "https" else None)
-                client_p, proxy_p = [client.ps], hp.ps
             else:
                 cfg.update(proxy="env")
-                client_p, proxy_p = sandbox_procs, gateway
-            before = (cpu_seconds(client_p), own_cpu_seconds(proxy_p) if proxy_p else None, cpu_seconds([up.ps]))
+            before = cpu_now(loc)
             if loc == "sandbox-proxy":
-                code = f"import json as _j\nprint(_j.dumps(_sgc['measure'](_j.loads({json.dumps(cfg)!r}))))"
-                out = t.run_cell(on, code)
+                out = t.run_cell(on, f"import json as _j\n_c0 = _sg_cpu()\n"
+                                     f"_r = _sgc['measure'](_j.loads({json.dumps(cfg)!r}))\n"
+                                     f"_r['inside'] = _sg_cpu_delta(_c0)\nprint(_j.dumps(_r))")
                 r = json.loads(out["stdout"])
             else:
                 r = client.call(cfg, timeout=cfg["duration"] + HELPER_TIMEOUT)
-            after = (cpu_seconds(client_p), own_cpu_seconds(proxy_p) if proxy_p else None, cpu_seconds([up.ps]))
+            after = cpu_now(loc)
             if r.get("error") or r.get("error_count") or not r.get("n"):
                 raise BenchError(f"{loc} {cfg['scheme']} {cfg['path']} x{cfg['conc']}: "
                                  f"{r.get('error') or r.get('errors') or 'no request completed'}")
             if r["bytes"] != r["n"] * cfg["size"]:
                 raise BenchError(f"{loc}: {r['bytes']} bytes for {r['n']} responses of {cfg['size']}")
-            r["cpu"] = {"client": after[0] - before[0],
-                        "proxy": None if proxy_p is None else after[1] - before[1],
-                        "upstream": after[2] - before[2]}
+            r["cpu"] = {k: after[k] - before[k] for k in before}
+            if "inside" in r:
+                r["cpu"].update(kernel_inside=r["inside"]["kernel"], agent_inside=r["inside"]["agent"])
             return r
 
         total = ROUNDS * len(SCHEMES) * len(CELLS)
@@ -530,11 +595,11 @@ def run(args) -> int:
 
     summary = {s: {c: {loc: stats(rs) for loc, rs in cells.items()} for c, cells in by.items()}
                for s, by in raw.items()}
+    ratios = {s: {c: round_ratios(cells) for c, cells in by.items()} for s, by in raw.items()}
     rt = {w: {"p50_ms": percentile(v, 50) * 1e3, "p99_ms": percentile(v, 99) * 1e3, "n": len(v)}
           for w, v in rt_raw.items()}
     rt["ratio_p50"] = rt["egress_on"]["p50_ms"] / rt["egress_off"]["p50_ms"]
     rt["ratio_p99"] = rt["egress_on"]["p99_ms"] / rt["egress_off"]["p99_ms"]
-    psutil = need_psutil()
     report = {
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "host": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
@@ -544,6 +609,7 @@ def run(args) -> int:
         "wall_s": time.monotonic() - t_start,
         "boot_s": boot,
         "egress": summary,
+        "egress_ratios": ratios,
         "roundtrip": rt,
         "raw": {"egress": {s: {c: {loc: [{k: v for k, v in r.items() if k != "latency_ms"} for r in rs]
                                    for loc, rs in cells.items()} for c, cells in by.items()}
@@ -552,7 +618,7 @@ def run(args) -> int:
     }
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
-    print(egress_tables(summary))
+    print(egress_tables(summary, ratios))
     print()
     print(roundtrip_table(rt))
     print(f"\nboot to first 1+1: egress off {boot['egress_off']:.1f} s, on {boot['egress_on']:.1f} s "
