@@ -25,13 +25,20 @@ to back, in an order that rotates, and the whole set ``ROUNDS`` times):
 For plain HTTP (absolute-form requests) and HTTPS (CONNECT, then TLS terminated by the proxy and made
 again upstream), ``CELLS``: 1 KiB responses over 1 and 16 kept-alive connections (latency p50/p99,
 requests/s), 1 MiB responses over 1 and 16 (MB/s, 10^6 bytes), and a new connection per 1 KiB request
-(the handshakes). Each measurement runs ``seconds`` after its connections are warm. The CPU time the
-client, the proxy process (the host proxy, or the whole gateway) and the upstream used is read from
-/proc (psutil) around each, per request.
+(the handshakes). Each measurement runs ``seconds`` after its connections are warm. Figures pool the
+rounds; the ratio columns are the median over rounds of the ratio within a round (its three
+measurements ran back to back, so they saw the same load).
+
+Where the time goes: CPU time per request, read around each measurement (psutil): the host client; the
+host proxy's process; for the sandbox, the runsc processes (the client and the agent's end of the
+tunnel, under gVisor), the shim (drivers/shim.py, which copies the agent's stream between runsc's
+stdio and the gateway's socket), and the gateway's own process (its end of the tunnel and mitmproxy);
+and, inside the sandbox, the client's kernel and the agent as gVisor counts them (from its /proc: only
+the split between the two means something; under load those counts exceed the host's).
 
 Part 2: the ``1+1`` round trip over the Jupyter websocket on the two sandboxes (egress on / off), ``runs``
-each after 5 warmup runs, in alternating batches of 20; p50/p99 and their ratio (on/off, ~1 is no
-regression). Run first, before any egress traffic.
+each after 5 warmup runs, alternating one by one (off on, on off, ...); p50/p99 and their ratio (on/off,
+~1 is no regression). Run first, before any egress traffic.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import (BATCH, WARMUP, BenchError, SandgateTarget, WSKernel, _default_home, cell_result,
+from .kernels import (WARMUP, BenchError, SandgateTarget, WSKernel, _default_home, cell_result,
                       need_psutil, percentile, progress, runsc_version)
 
 PLAIN_IP, TLS_IP = "127.0.0.3", "127.0.0.4"  # loopback only
@@ -468,23 +475,20 @@ def run(args) -> int:
                        + INSIDE_CPU)
 
         # Part 2 first: the round trip before any egress traffic.
-        progress(f"1+1 round trips on both sandboxes: {runs} each after {WARMUP} warmup, batches of {BATCH}")
+        progress(f"1+1 round trips on both sandboxes: {runs} each after {WARMUP} warmup, alternating")
         ks = {which: WSKernel(t.port, t.token, sid) for which, sid in sids.items()}
         kernels.extend(ks.values())
         for k in ks.values():
             for _ in range(WARMUP):
                 k.execute("1+1")
-        done, rnd = 0, 0
         order = list(ks)
-        while done < runs:
-            n = min(BATCH, runs - done)
-            for which in order[rnd % 2:] + order[:rnd % 2]:
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    ks[which].execute("1+1")
-                    rt_raw[which].append(time.perf_counter() - t0)
-            done += n
-            rnd += 1
+        for i in range(runs):
+            for which in (order if i % 2 == 0 else order[::-1]):  # off on, on off, ...: drift hits both alike
+                t0 = time.perf_counter()
+                ks[which].execute("1+1")
+                rt_raw[which].append(time.perf_counter() - t0)
+            if (i + 1) % 100 == 0 and i + 1 < runs:
+                progress(f"1+1 round trips {i + 1}/{runs}")
         progress("1+1 p50: " + ", ".join(f"{w.replace('_', ' ')} {percentile(v, 50) * 1e3:.2f} ms"
                                           for w, v in rt_raw.items()))
         for k in kernels:
