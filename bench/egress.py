@@ -533,7 +533,7 @@ def run(args) -> int:
                 out = t.run_cell(on, f"import json as _j\n_c0 = _sg_cpu()\n"
                                      f"_r = _sgc['measure'](_j.loads({json.dumps(cfg)!r}))\n"
                                      f"_r['inside'] = _sg_cpu_delta(_c0)\nprint(_j.dumps(_r))")
-                r = json.loads(out["stdout"])
+                r = json.loads(out["stdout"].strip().splitlines()[-1])  # the result is the cell's last line
             else:
                 r = client.call(cfg, timeout=cfg["duration"] + HELPER_TIMEOUT)
             after = cpu_now(loc)
@@ -550,7 +550,8 @@ def run(args) -> int:
         total = ROUNDS * len(SCHEMES) * len(CELLS)
         step = 0
         progress(f"egress: {total * len(LOCATIONS)} measurements of {seconds:g} s "
-                 f"({ROUNDS} rounds x {len(SCHEMES)} schemes x {len(CELLS)} cells x {len(LOCATIONS)} locations)")
+                 f"({ROUNDS} rounds x {len(SCHEMES)} schemes x {len(CELLS)} cells x {len(LOCATIONS)} locations), "
+                 f"at least {total * len(LOCATIONS) * seconds / 60:.1f} min with warmups on top")
         for rep in range(ROUNDS):
             for scheme in SCHEMES:
                 for key, label, size, conc, mode in CELLS:
