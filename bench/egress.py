@@ -11,8 +11,8 @@ Everything stays on loopback. The bench starts, in processes of its own:
   listener that hands each connection to ``open()``, as tests/test_egress_proxy.py does: the proxy
   without the sandbox tunnel;
 * ``sandgate serve`` (gVisor, warm start off) with ``SANDGATE_EGRESS_HOSTS`` naming the two servers
-  and ``SANDGATE_EGRESS_CA_BUNDLE`` the run's CA, and two sandboxes in it: one created with an egress
-  policy allowing the two servers, one without a policy.
+  and ``SANDGATE_EGRESS_CA_BUNDLE`` the run's CA, and four sandboxes in it: two created with an egress
+  policy allowing the two servers, two without, in the order off, on, on, off.
 
 Part 1, three locations side by side, interleaved (each measurement is run at the three locations back
 to back, in an order that rotates, and the whole set ``ROUNDS`` times):
@@ -36,9 +36,10 @@ stdio and the gateway's socket), and the gateway's own process (its end of the t
 and, inside the sandbox, the client's kernel and the agent as gVisor counts them (from its /proc: only
 the split between the two means something; under load those counts exceed the host's).
 
-Part 2: the ``1+1`` round trip over the Jupyter websocket on the two sandboxes (egress on / off), ``runs``
-each after 5 warmup runs, alternating one by one (off on, on off, ...); p50/p99 and their ratio (on/off,
-~1 is no regression). Run first, before any egress traffic.
+Part 2: the ``1+1`` round trip over the Jupyter websocket on the four sandboxes, ``runs`` each after 5
+warmup runs, one execute per sandbox in turn (the order rotating); p50/p99 per kind (egress on / off,
+each pooling its two sandboxes) and their ratio (on/off, ~1 is no regression), and each sandbox's own.
+Run first, before any egress traffic.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ CELLS = [  # key, label, response bytes, connections, mode
     ("new_c1", "1 KiB, new connection each", SMALL, 1, "new"),
 ]
 HELPER_TIMEOUT = 60.0
+SANDBOXES = ("egress_off-1", "egress_on-1", "egress_on-2", "egress_off-2")  # in creation order
 
 
 # -- the run's CA and the upstream servers (a process of their own) -------------------------------
@@ -405,7 +407,8 @@ def roundtrip_table(rt: dict) -> str:
     head = ["1+1 round trip (ms)", "egress off", "egress on", "on/off"]
     rows = [[q, f"{rt['egress_off'][k]:.2f}", f"{rt['egress_on'][k]:.2f}", f"{rt['ratio_' + k[:3]]:.2f}x"]
             for q, k in (("p50", "p50_ms"), ("p99", "p99_ms"))]
-    return markdown(head, rows)
+    each = ", ".join(f"{name} {rt[name]['p50_ms']:.2f}" for name in SANDBOXES)
+    return markdown(head, rows) + f"\n\np50 per sandbox, in creation order (ms): {each}"
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -414,10 +417,14 @@ def run(args) -> int:
     home = Path(args.home) if args.home else _default_home()
     seconds = args.egress_seconds if getattr(args, "egress_seconds", None) else SECONDS
     runs = max(1, args.runs)
-    need_psutil()
     from sandgate_images import rootfs
 
-    rootfs.build(home)
+    try:
+        need_psutil()
+        rootfs.build(home)
+    except (BenchError, RuntimeError) as e:
+        print(f"sandgate bench: {e}", file=sys.stderr)
+        return 1
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -430,7 +437,8 @@ def run(args) -> int:
     raw: Dict[str, Dict[str, Dict[str, List[dict]]]] = {
         s: {c[0]: {loc: [] for loc in LOCATIONS} for c in CELLS} for s in SCHEMES}
     rt_raw: Dict[str, List[float]] = {"egress_off": [], "egress_on": []}
-    boot: Dict[str, float] = {}
+    rt_each: Dict[str, List[float]] = {name: [] for name in SANDBOXES}
+    boot: Dict[str, List[float]] = {"egress_off": [], "egress_on": []}
     failed = None
     t_start = time.monotonic()
     try:
@@ -455,45 +463,50 @@ def run(args) -> int:
             "SANDGATE_EGRESS_HOSTS": hosts, "SANDGATE_EGRESS_CA_BUNDLE": str(ca)})
         progress(f"starting a gateway on port {t.port} (gVisor, warm start off; log {t.log_path})")
         t.setup()
+        # Two sandboxes with a policy and two without, created off, on, on, off: a sandbox's place in
+        # the creation order showed in its round trip by a few percent, so the order is balanced.
         sids: Dict[str, str] = {}
-        for which, body in (("egress_off", {}), ("egress_on", {"egress": {"allow": allow}})):
+        for name in SANDBOXES:
+            which = name.rsplit("-", 1)[0]
             t0 = time.perf_counter()
-            sid = t.api("POST", "/api/sandboxes", body, expect=(201,))["id"]
+            sid = t.api("POST", "/api/sandboxes", {"egress": {"allow": allow}} if which == "egress_on" else {},
+                        expect=(201,))["id"]
             t.kernels[sid] = None  # deleted on the way out, whatever happens
             t.started_ids.append(sid)
             if cell_result(t.run_cell(sid, "1+1")) != "2":
                 raise BenchError(f"1+1 in sandbox {sid} did not give 2")
-            boot[which] = time.perf_counter() - t0
+            boot[which].append(time.perf_counter() - t0)
             t.runtime_id(sid)
-            sids[which] = sid
-            progress(f"sandbox {sid} ({which.replace('_', ' ')}) answered 1+1 {boot[which]:.1f} s after create")
-        on = sids["egress_on"]
-        env = t.run_cell(on, "import os; print(os.environ.get('HTTPS_PROXY'), os.environ.get('HTTP_PROXY'))")
-        if "None" in env["stdout"]:
-            raise BenchError(f"the egress sandbox has no proxy in its environment: {env['stdout']!r}")
-        t.run_cell(on, f"_sgc = {{'__name__': 'sandgate_bench_client'}}\nexec({CLIENT.read_text()!r}, _sgc)\n"
-                       + INSIDE_CPU)
+            sids[name] = sid
+            progress(f"sandbox {sid} ({name}) answered 1+1 {boot[which][-1]:.1f} s after create")
 
         # Part 2 first: the round trip before any egress traffic.
-        progress(f"1+1 round trips on both sandboxes: {runs} each after {WARMUP} warmup, alternating")
-        ks = {which: WSKernel(t.port, t.token, sid) for which, sid in sids.items()}
+        progress(f"1+1 round trips on the {len(sids)} sandboxes: {runs} each after {WARMUP} warmup, in turn")
+        ks = {name: WSKernel(t.port, t.token, sid) for name, sid in sids.items()}
         kernels.extend(ks.values())
         for k in ks.values():
             for _ in range(WARMUP):
                 k.execute("1+1")
         order = list(ks)
         for i in range(runs):
-            for which in (order if i % 2 == 0 else order[::-1]):  # off on, on off, ...: drift hits both alike
+            for name in order[i % len(order):] + order[:i % len(order)]:  # drift hits every sandbox alike
                 t0 = time.perf_counter()
-                ks[which].execute("1+1")
-                rt_raw[which].append(time.perf_counter() - t0)
+                ks[name].execute("1+1")
+                rt_raw[name.rsplit("-", 1)[0]].append(time.perf_counter() - t0)
+                rt_each[name].append(time.perf_counter() - t0)
             if (i + 1) % 100 == 0 and i + 1 < runs:
                 progress(f"1+1 round trips {i + 1}/{runs}")
-        progress("1+1 p50: " + ", ".join(f"{w.replace('_', ' ')} {percentile(v, 50) * 1e3:.2f} ms"
-                                          for w, v in rt_raw.items()))
+        progress("1+1 p50: " + ", ".join(f"{name} {percentile(v, 50) * 1e3:.2f} ms" for name, v in rt_each.items()))
         for k in kernels:
             k.close()
         kernels.clear()
+
+        on = sids[SANDBOXES[1]]  # part 1 runs in the first sandbox with a policy
+        env = t.run_cell(on, "import os; print(os.environ.get('HTTPS_PROXY'), os.environ.get('HTTP_PROXY'))")
+        if "None" in env["stdout"]:
+            raise BenchError(f"the egress sandbox has no proxy in its environment: {env['stdout']!r}")
+        t.run_cell(on, f"_sgc = {{'__name__': 'sandgate_bench_client'}}\nexec({CLIENT.read_text()!r}, _sgc)\n"
+                       + INSIDE_CPU)
 
         # Part 1.
         shims = t.kernel_procs(on)  # the gateway's child for this sandbox: the shim; runsc runs under it
@@ -602,7 +615,7 @@ def run(args) -> int:
                for s, by in raw.items()}
     ratios = {s: {c: round_ratios(cells) for c, cells in by.items()} for s, by in raw.items()}
     rt = {w: {"p50_ms": percentile(v, 50) * 1e3, "p99_ms": percentile(v, 99) * 1e3, "n": len(v)}
-          for w, v in rt_raw.items()}
+          for w, v in list(rt_raw.items()) + list(rt_each.items())}
     rt["ratio_p50"] = rt["egress_on"]["p50_ms"] / rt["egress_off"]["p50_ms"]
     rt["ratio_p99"] = rt["egress_on"]["p99_ms"] / rt["egress_off"]["p99_ms"]
     report = {
@@ -619,15 +632,15 @@ def run(args) -> int:
         "raw": {"egress": {s: {c: {loc: [{k: v for k, v in r.items() if k != "latency_ms"} for r in rs]
                                    for loc, rs in cells.items()} for c, cells in by.items()}
                            for s, by in raw.items()},
-                "roundtrip_s": rt_raw},
+                "roundtrip_s": rt_each},
     }
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
     print(egress_tables(summary, ratios))
     print()
     print(roundtrip_table(rt))
-    print(f"\nboot to first 1+1: egress off {boot['egress_off']:.1f} s, on {boot['egress_on']:.1f} s "
-          f"(one each); load average at the end {os.getloadavg()[0]:.1f}; wall {report['wall_s']:.0f} s")
+    print(f"\nboot to first 1+1: egress off {' '.join(f'{x:.1f}' for x in boot['egress_off'])} s, "
+          f"on {' '.join(f'{x:.1f}' for x in boot['egress_on'])} s; load average at the end {os.getloadavg()[0]:.1f}; wall {report['wall_s']:.0f} s")
     print(f"raw numbers: {args.output}")
     return 0
 

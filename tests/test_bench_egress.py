@@ -44,10 +44,12 @@ def test_the_egress_bench_runs_end_to_end_and_reports_every_figure(home, tmp_pat
     assert all(r["n"] >= 16 for r in report["raw"]["egress"]["https"]["small_c16"]["sandbox-proxy"])
 
     rt = report["roundtrip"]
-    for which in ("egress_off", "egress_on"):
-        assert rt[which]["n"] == 3 and rt[which]["p50_ms"] > 0 and rt[which]["p99_ms"] >= rt[which]["p50_ms"]
+    for which in ("egress_off", "egress_on"):  # two sandboxes each, 3 round trips each
+        assert rt[which]["n"] == 6 and rt[which]["p50_ms"] > 0 and rt[which]["p99_ms"] >= rt[which]["p50_ms"]
+    for name in ("egress_off-1", "egress_on-1", "egress_on-2", "egress_off-2"):
+        assert rt[name]["n"] == 3, name
     assert rt["ratio_p50"] > 0 and rt["ratio_p99"] > 0
-    assert set(report["boot_s"]) == {"egress_off", "egress_on"}
+    assert {k: len(v) for k, v in report["boot_s"].items()} == {"egress_off": 2, "egress_on": 2}
     assert report["config"]["upstream"]["http"].startswith("127.0.0.3:")
     assert report["config"]["upstream"]["https"].startswith("127.0.0.4:")
 
