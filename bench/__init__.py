@@ -1,4 +1,7 @@
 """`sandgate bench`: measurements side by side with a baseline, kept out of
 the gateway package (import name sandgate_bench). kernels.py: start, round
 trip, memory and checkpoints against jupyter-client and Kernel Gateway;
-drivers.py: the drivers side by side; restart.py: a gateway restart."""
+drivers.py: the drivers side by side; restart.py: a gateway restart;
+egress.py: the egress proxy against direct connections, and the 1+1 round
+trip with egress on and off (egress_client.py is the HTTP client it runs on
+the host and inside a sandbox)."""
