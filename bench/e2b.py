@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from sandgate.api.e2b import e2b_api_key
+
 from .kernels import BenchError, SandgateTarget, _default_home, cell_result, progress
 
 STEPS = ("create", "run_code", "kill", "total")
@@ -197,7 +199,7 @@ def run(args) -> int:
         progress(f"starting a gateway on port {t.port} (log {t.log_path})")
         t.setup()
         url = f"http://127.0.0.1:{t.port}/e2b"
-        opts = {"api_key": t.token, "api_url": url, "sandbox_url": url, "domain": "sandgate.invalid"}
+        opts = {"api_key": e2b_api_key(t.token), "api_url": url, "sandbox_url": url, "domain": "sandgate.invalid"}
         native = Native(t.port, t.token)
         e2b_round(opts), native_round(native)  # untimed: imports, connections, first restore
         for i in range(rounds):

@@ -197,6 +197,16 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_e2b_key(args) -> int:
+    from .api.e2b import e2b_api_key
+
+    if not args.token:
+        print("sandgate e2b-key: give --token or set SANDGATE_TOKEN", file=sys.stderr)
+        return 1
+    print(e2b_api_key(args.token))
+    return 0
+
+
 def cmd_drain(args) -> int:
     """Hand this node's sandboxes off to the rest of the fleet, with a line per sandbox, then it stops."""
     import urllib.error
@@ -306,6 +316,10 @@ def main(argv=None) -> int:
     i.set_defaults(fn=cmd_image)
 
     usercli.add_commands(sub, os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"), os.environ.get("SANDGATE_TOKEN"))
+
+    ek = sub.add_parser("e2b-key", help="a Sandgate token as an E2B_API_KEY (e2b_<hex>, the shape e2b SDKs check)")
+    ek.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="the token (SANDGATE_TOKEN)")
+    ek.set_defaults(fn=cmd_e2b_key)
 
     dr = sub.add_parser("drain", help="move this node's sandboxes to the rest of the fleet, then stop it")
     dr.add_argument("--url", default=os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"),

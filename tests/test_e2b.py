@@ -23,6 +23,7 @@ from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from conftest import ANSI, Gateway
 from core_harness import make, run
+from sandgate.api.e2b import e2b_api_key
 
 ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
 
@@ -33,7 +34,7 @@ def gw(home, tmp_path_factory):
 
     g = Gateway(home, tmp_path_factory.mktemp("e2b"), env={"SANDGATE_TENANT_CREATE_RATE": "0"})
     saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(E2B_API_URL=g.url + "/e2b", E2B_SANDBOX_URL=g.url + "/e2b", E2B_API_KEY=g.token,
+    os.environ.update(E2B_API_URL=g.url + "/e2b", E2B_SANDBOX_URL=g.url + "/e2b", E2B_API_KEY=e2b_api_key(g.token),
                       E2B_DOMAIN="sandgate.invalid")
     os.environ.pop("E2B_DEBUG", None)
     yield g
@@ -296,9 +297,9 @@ def test_async_sdk(gw):
 # -- auth, not found, bad input ----------------------------------------------------------------
 def test_bad_key_and_unknown_sandbox(gw):
     with pytest.raises(e2b.AuthenticationException):
-        Sandbox.create(api_key="not-a-sandgate-token")
+        Sandbox.create(api_key=e2b_api_key("not-a-sandgate-token"))
     with pytest.raises(e2b.AuthenticationException):
-        Sandbox.list(api_key="not-a-sandgate-token").next_items()
+        Sandbox.list(api_key=e2b_api_key("not-a-sandgate-token")).next_items()
     with pytest.raises(e2b.SandboxNotFoundException):
         Sandbox.connect("no-such-sandbox")
     with pytest.raises(e2b.SandboxNotFoundException):
@@ -365,19 +366,19 @@ def test_tenant_tokens_scope_what_the_sdk_sees(gw):
         r = gw.request("POST", "/api/tenants", {"name": name})
         assert r.status == 201, r.body
         tokens[name] = r.json()["token"]
-    a = Sandbox.create(api_key=tokens["e2b-alpha"])
+    a = Sandbox.create(api_key=e2b_api_key(tokens["e2b-alpha"]))
     try:
         assert a.run_code("'alpha'").text == "'alpha'"  # the sandbox's own token carries the tenant
-        assert [s.sandbox_id for s in Sandbox.list(api_key=tokens["e2b-alpha"]).next_items()] == [a.sandbox_id]
-        assert Sandbox.list(api_key=tokens["e2b-beta"]).next_items() == []
+        assert [s.sandbox_id for s in Sandbox.list(api_key=e2b_api_key(tokens["e2b-alpha"])).next_items()] == [a.sandbox_id]
+        assert Sandbox.list(api_key=e2b_api_key(tokens["e2b-beta"])).next_items() == []
         with pytest.raises(e2b.SandboxNotFoundException):
-            Sandbox.connect(a.sandbox_id, api_key=tokens["e2b-beta"])
-        assert Sandbox.kill(a.sandbox_id, api_key=tokens["e2b-beta"]) is False
+            Sandbox.connect(a.sandbox_id, api_key=e2b_api_key(tokens["e2b-beta"]))
+        assert Sandbox.kill(a.sandbox_id, api_key=e2b_api_key(tokens["e2b-beta"])) is False
         assert a.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]  # the admin sees all
         r = gw.request("GET", f"/api/sandboxes/{a.sandbox_id}")
         assert r.json()["owner"] == "e2b-alpha"
     finally:
-        assert Sandbox.kill(a.sandbox_id, api_key=tokens["e2b-alpha"]) is True
+        assert Sandbox.kill(a.sandbox_id, api_key=e2b_api_key(tokens["e2b-alpha"])) is True
 
 
 # -- the service method the adapter added, on the fake driver (seconds) -------------------------

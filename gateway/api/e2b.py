@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import posixpath
+import re
 import time
 import zlib
 from typing import Dict, List, Optional
@@ -166,6 +167,26 @@ def template_of(sb) -> str:
     return sb.record.labels.get(TEMPLATE_LABEL, DEFAULT_TEMPLATE)
 
 
+E2B_KEY = re.compile(r"e2b_((?:[0-9a-f]{2})+)")
+
+
+def e2b_api_key(token: str) -> str:
+    """A Sandgate token in the shape some e2b SDK versions insist on (``e2b_`` and hex digits): its
+    bytes, hex-encoded. ``sandgate e2b-key`` prints it; the adapter takes either form."""
+    return "e2b_" + token.encode().hex()
+
+
+def token_of_key(key: str) -> str:
+    """The Sandgate token an ``X-API-KEY`` carries, plain or as ``e2b_api_key`` made it."""
+    m = E2B_KEY.fullmatch(key)
+    if m:
+        try:
+            return bytes.fromhex(m.group(1)).decode()
+        except UnicodeDecodeError:
+            pass
+    return key
+
+
 class E2BHandler(APIHandler):
     """E2B's control plane: ``X-API-KEY`` (or Sandgate's own ``Authorization``)."""
 
@@ -173,7 +194,7 @@ class E2BHandler(APIHandler):
         self.set_cors()
         if self.request.method == "OPTIONS":
             return
-        key = self.request.headers.get("X-API-KEY", "")
+        key = token_of_key(self.request.headers.get("X-API-KEY", ""))
         self.who = await (self.principal(key) if key else self.authenticate())
         if self.who is None:
             raise E2BError(401, "Invalid API key: not a Sandgate token (the admin's or a tenant's)")
@@ -256,8 +277,9 @@ class SandboxesHandler(E2BHandler):
             raise Unsupported("autoPause is not supported: a Sandgate sandbox is deleted at its timeout "
                               "(pause it with POST /sandboxes/{id}/pause)")
         if body.allow_internet_access:
-            raise Unsupported("allow_internet_access: a Sandgate sandbox has no network unless given an egress "
-                              "policy through the native API (POST /api/sandboxes, docs/egress.md)")
+            # Some SDK versions send true unless told otherwise: refusing it would refuse every create.
+            log.info("e2b create: allow_internet_access ignored: the sandbox's network is its egress policy "
+                     "(docs/egress.md); it has none")
         allowed = set(self.service.settings.env_allow)
         refused = sorted(k for k in body.envVars if not (k.startswith("KERNEL_") or k in allowed))
         if refused:
@@ -420,7 +442,7 @@ class SandboxCallHandler(E2BHandler):
             sb = self.service.get(self.sid)  # the token is this sandbox's: its owner calls
             self.who = Principal(sb.record.owner or None)
         else:
-            key = self.request.headers.get("X-API-KEY", "")
+            key = token_of_key(self.request.headers.get("X-API-KEY", ""))
             self.who = await (self.principal(key) if key else self.authenticate())
             if self.who is None:
                 raise E2BError(401, "Invalid access token for this sandbox")
