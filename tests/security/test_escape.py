@@ -185,6 +185,7 @@ def verdict(out: dict) -> str:
 def test_attempt_from_inside_fails(env, attempt):
     name, category, code = attempt
     v = verdict(ex(env.gw, env.attacker, snippet(env, code)))
+    print(f"{env.driver}: {name}: {v[:200]}")
     assert v.startswith("BLOCKED"), f"{env.driver}: {name}: {v}"
     if name == "dns-exfil-name-refused-unresolved":
         log = env.gw.log_text()
@@ -257,6 +258,7 @@ def test_bomb_is_contained(env, bomb):
         assert out["truncated"] is True and len(out["stdout"]) <= 17 << 20, (out["truncated"], len(out["stdout"]))
     elif out["status"] == "ok":
         v = verdict(out)
+        print(f"{env.driver}: {name}: {v[:200]}")
         assert v.startswith("BLOCKED"), f"{env.driver}: {name}: {v}"
     else:
         # Killed by its limit mid-way: a dead kernel, reported as such (the sandbox's memory limit).
