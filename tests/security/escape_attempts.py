@@ -726,4 +726,32 @@ CATEGORIES = [HOST, LOOP, SOCK, PROXY, FILES_API, BOMB, AGENT, PRIV]
 def all_attempts():
     """(id, category) of every attempt the suite makes per driver."""
     return ([(a[0], a[1]) for a in ATTEMPTS] + [(b[0], BOMB) for b in BOMBS] + [(f[0], FILES_API) for f in FILES]
-            + FORGED_ATTEMPTS)
+            + FORGED_ATTEMPTS + ROOT_GUEST_ATTEMPTS)
+
+# A guest that took over root inside: `runsc exec` as root writes frames straight onto the agent's stream
+# (gVisor only: a VM gives the host no way in as root). Valid but hostile frames first, then a bad one.
+ROOT_GUEST_ATTEMPTS = [("root-guest-hostile-frames", AGENT), ("root-guest-malformed-frame", AGENT)]
+NOT_ON = {("root-guest-hostile-frames", "qemu"): "no way in as root", ("root-guest-malformed-frame", "qemu"): "no way in as root"}
+FORGE_FRAMES = r'''
+import json, os, struct, sys
+links = {n: os.readlink(f"/proc/1/fd/{n}") for n in os.listdir("/proc/1/fd")}
+# The agent's frames go out on the duplicate of its first stdout: the host pipe that is neither its stdin
+# (fd 0) nor its stderr (fd 2).
+out = [n for n, l in links.items() if l.startswith("host:") and l not in (links["0"], links["2"])]
+assert len(out) == 1, links
+def frame(header, payload=b""):
+    h = json.dumps(header).encode()
+    return struct.pack(">II", len(h), len(payload)) + h + payload
+fd = os.open(f"/proc/1/fd/{out[0]}", os.O_WRONLY)
+if sys.argv[1] == "hostile":
+    frames = [frame({"type": "response", "id": 987654321, "ok": True, "result": {"pid": 1}}),
+              frame({"type": "response", "id": 1, "ok": False, "error": "PermissionError: forged"}),
+              frame({"type": "tunnel", "conn": 7, "op": "open"}),
+              frame({"type": "tunnel", "conn": 8, "op": "data"}, b"CONNECT 127.0.0.1:1 HTTP/1.1\r\n\r\n"),
+              frame({"type": "event", "event": "dropped", "data": {"frames": 10 ** 12, "bytes": -1}})]
+else:
+    frames = [struct.pack(">II", 0xFFFFFFF0, 0) + b"{"]
+for f in frames:
+    os.write(fd, f)  # each under PIPE_BUF: not interleaved with the agent's own writes
+print("BLOCKED wrote", len(frames))
+'''

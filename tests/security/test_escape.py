@@ -16,6 +16,7 @@ import os
 import socket
 import ssl
 import string
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -24,7 +25,7 @@ import uuid
 import pytest
 
 from security import escape_attempts as A
-from conftest import DRIVERS, Gateway
+from conftest import DRIVERS, Gateway, wait_for
 from test_egress_proxy import PLAIN_IP, TLS_IP, Echo, make_ca
 
 MARKER = uuid.uuid4().hex
@@ -279,3 +280,32 @@ def test_forged_kernel_messages_to_the_agent(env, forged):
     sb = env.gw.request("GET", f"/api/sandboxes/{env.attacker}").json()
     assert sb["execution_state"] != "dead", sb
     assert_healthy(env)
+
+
+@pytest.mark.parametrize("forged", A.ROOT_GUEST_ATTEMPTS, ids=ids(A.ROOT_GUEST_ATTEMPTS))
+def test_forged_frames_from_a_root_guest_reach_only_its_own_link(env, forged):
+    """A guest that took over the agent writes frames of its choosing on its stream. Valid but hostile ones
+    (a response for an unknown id, one for an id the gateway may have asked, tunnel frames without egress,
+    a `dropped` event with absurd counts) change nothing; a malformed one closes that link only."""
+    name = forged[0]
+    if (name, env.driver) in A.NOT_ON:
+        pytest.skip(A.NOT_ON[(name, env.driver)])
+    sid = create(env.gw, {"driver": env.driver})
+    try:
+        rid = env.gw.request("GET", f"/api/sandboxes/{sid}").json()["runtime_id"]
+        kind = "hostile" if name == "root-guest-hostile-frames" else "malformed"
+        p = subprocess.run(["runsc", "--root", str(env.gw.home / "runtime" / "gvisor"), "--network=none",
+                            "--platform=ptrace", "exec", rid, "python3", "-c", A.FORGE_FRAMES, kind],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and p.stdout.startswith("BLOCKED"), (p.stdout, p.stderr[-1000:])
+        if kind == "hostile":
+            out = ex(env.gw, sid, "1+1", timeout=120)  # the link carries on
+            assert out["status"] == "ok" and out["outputs"][-1]["data"] == {"text/plain": "2"}, out
+            assert env.gw.request("GET", f"/api/sandboxes/{sid}/files/").status == 200
+        else:
+            sb = wait_for(lambda: (s := env.gw.request("GET", f"/api/sandboxes/{sid}").json())["execution_state"]
+                          == "dead" and s, timeout=120)
+            assert "agent stream lost" in sb["reason"], sb
+        assert_healthy(env)
+    finally:
+        env.gw.request("DELETE", f"/api/sandboxes/{sid}")

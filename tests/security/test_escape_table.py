@@ -41,7 +41,7 @@ def test_the_docs_table_matches_the_collected_attempts():
     category = dict(A.all_attempts())
     cases = collected()
     assert sorted(cases) == sorted((d, i) for d in DRIVERS for i in category), "test ids and escape_attempts differ"
-    attempts = Counter((category[i], d) for d, i in cases)
+    attempts = Counter((category[i], d) for d, i in cases if (i, d) not in A.NOT_ON)  # skipped there
     open_ = Counter((category[i], d) for i, d in A.FINDINGS)
     fixed = Counter((category[i], d) for i, d in A.FIXED)
     assert all(i in category for i, _ in list(A.FINDINGS) + list(A.FIXED))
