@@ -11,21 +11,20 @@ Addresses outside loopback appear only as policy inputs the proxy must refuse be
 from __future__ import annotations
 
 import http.server
-import json
-import os
 import socket
 import ssl
 import string
 import subprocess
 import threading
+import tempfile
 import time
-import urllib.parse
 import uuid
 
 import pytest
 
 from security import escape_attempts as A
 from conftest import DRIVERS, Gateway, wait_for
+from sandgate.drivers.base import tag
 from test_egress_proxy import PLAIN_IP, TLS_IP, Echo, make_ca
 
 MARKER = uuid.uuid4().hex
@@ -127,9 +126,11 @@ def env(request, home, upstream, tmp_path_factory):
         e.attacker = create(e.gw, {"driver": driver, "egress": policy, "secrets": secrets})
         bomb_limits = {"memory_mb": 512, "pids": 128, "disk_mb": 64} if driver == "gvisor" else {"memory_mb": 512}
         e.bomb = create(e.gw, {"driver": driver, "egress": policy, "limits": bomb_limits})
+        e.host_sockets = host_sockets(e.gw)
+        assert e.host_sockets, "no host unix socket to aim at"
         e.vars = {"GW_PORT": e.gw.port, "VICTIM": e.victim, "VICTIM_FILE": VICTIM_FILE, "HOME": str(e.gw.home),
                   "MARKER_PATH": str(e.marker_path), "MARKER_NAME": e.marker_path.name, "MARKER": MARKER,
-                  "ABSTRACT": e.abstract, "UDP_PORT": e.udp.getsockname()[1], "HOST_SOCKETS": repr(host_sockets(e.gw)),
+                  "ABSTRACT": e.abstract, "UDP_PORT": e.udp.getsockname()[1], "HOST_SOCKETS": repr(e.host_sockets),
                   "HTTP": upstream["http"], "HTTPS": upstream["https"], "SECRET": SECRET}
         e.started = time.monotonic()
         yield e
@@ -141,11 +142,13 @@ def env(request, home, upstream, tmp_path_factory):
 
 
 def host_sockets(gw) -> list:
-    """Unix sockets the host listens on under the gateway's home (the gVisor shims', qemu's)."""
+    """Unix sockets the host listens on for this gateway's sandboxes: the gVisor shims', qemu's QMP and
+    serial sockets (drivers/base.socket_dir: /tmp/sg<kind>-<home tag>-<id tag>/)."""
+    prefixes = tuple(f"{tempfile.gettempdir()}/sg{kind}-{tag(str(gw.home))}-" for kind in "gq")
     paths = []
     for line in open("/proc/net/unix").read().splitlines()[1:]:
         f = line.split()
-        if len(f) >= 8 and f[7].startswith(str(gw.home)):
+        if len(f) >= 8 and f[7].startswith(prefixes + (str(gw.home),)):
             paths.append(f[7])
     return sorted(set(paths))[:40]
 
@@ -207,7 +210,7 @@ def test_files_api_attempt_fails(env, path_attempt):
     assert not any(x in r.body for x in leaks), r.body[:300]
     # Nothing planted outside the workspace, the targets of the links intact.
     check = ex(env.gw, env.attacker, "import glob, os\n"
-                                     f"print(glob.glob('/tmp/planted-*') + glob.glob('/planted-*'), "
+                                     "print(glob.glob('/tmp/planted-*') + glob.glob('/planted-*'), "
                                      "len(os.listdir('/opt/sandgate')) > 0, os.path.exists('/opt/sandgate/sandgate_agent'))")
     assert check["stdout"].strip() == "[] True True", check
     assert_healthy(env)
