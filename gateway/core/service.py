@@ -442,6 +442,8 @@ def file_error(e: AgentError, path: str) -> SandgateError:
         return Forbidden(text)
     if e.code in ("IsADirectoryError", "NotADirectoryError"):
         return BadRequest(text, code=e.code)
+    if e.code == "ValueError":  # a path the agent cannot use (a NUL byte, say): the caller's, not a 500
+        return BadRequest(f"bad path {path!r}: {text}")
     if e.code == "stream":
         return Unavailable(f"the sandbox's agent is unreachable: {e}")
     if "No space left" in text:
