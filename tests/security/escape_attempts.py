@@ -746,18 +746,17 @@ FINDINGS = {
         "runsc 20221219's /proc/<pid>/{environ,maps,auxv} are 0444 with no ptrace-access check: the sandbox user "
         "reads the agent's (root, pid 1) initial environment (the kernel's base environment, no secret) and its "
         "memory map (its ASLR layout)",
-    ("unshare-user-namespace", "gvisor"):
-        "runsc 20221219 lets the sandbox user create a user namespace (a single-threaded process; qemu's guest "
-        "refuses, user.max_user_namespaces is 0 there); with it a mount namespace, though mounting in it is "
-        "refused (user-namespace-then-mount holds): more Sentry code within reach, nothing outside",
-    ("unshare-mount-cgroup-namespaces", "gvisor"):
-        "runsc 20221219 lets a process without capabilities unshare(CLONE_NEWNS) and unshare(CLONE_NEWCGROUP) "
-        "(Linux requires CAP_SYS_ADMIN); it cannot mount anything in them (mount-tmpfs-proc-bind holds)",
 }
 # Found and fixed on this branch: (id, driver) -> what was wrong and the fix.
 FIXED = {
     ("get-nul-byte", "gvisor"): "a NUL in a files API path was a 500 (the agent's ValueError); now a 400",
     ("get-nul-byte", "qemu"): "a NUL in a files API path was a 500 (the agent's ValueError); now a 400",
+    ("unshare-user-namespace", "gvisor"):
+        "runsc 20221219 let the sandbox user create a user namespace; now unshare, setns and clone with a "
+        "CLONE_NEW* flag are EPERM for every process, by an OCI seccomp filter the Sentry enforces (--oci-seccomp)",
+    ("unshare-mount-cgroup-namespaces", "gvisor"):
+        "runsc 20221219 let a process without capabilities unshare(CLONE_NEWNS) and unshare(CLONE_NEWCGROUP); now "
+        "refused by the same seccomp filter",
 }
 
 CATEGORIES = [HOST, LOOP, SOCK, PROXY, FILES_API, BOMB, AGENT, PRIV]
