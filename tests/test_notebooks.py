@@ -1,0 +1,152 @@
+"""The notebooks in notebooks/ run top to bottom against a real `sandgate serve`, and say what they
+should: specific values in specific cells, images where there are plots.
+
+Five run on the host, in a local ipykernel (nbclient's own kernel manager) with SANDGATE_URL and
+SANDGATE_TOKEN in its environment, and drive the gateway with the SDK. inside_a_sandbox.ipynb runs on
+a Sandgate kernel: nbclient with jupyter_server's GatewayKernelManager pointed at the gateway."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import Gateway
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+HOST_NOTEBOOKS = ["quickstart.ipynb", "plots.ipynb", "checkpoint_fork.ipynb", "files_and_data.ipynb",
+                  "agent_loop.ipynb"]
+
+
+@pytest.fixture(scope="module")
+def gw(home, tmp_path_factory):
+    gw = Gateway(home, tmp_path_factory.mktemp("gw"), env={"SANDGATE_MAX_KERNELS": "6"})
+    yield gw
+    gw.stop()
+
+
+def stdout(nb, cell_id) -> str:
+    cell = cell_by_id(nb, cell_id)
+    return "".join(o["text"] for o in cell.outputs if o["output_type"] == "stream" and o["name"] == "stdout")
+
+
+def bundles(nb, cell_id) -> list:
+    return [o["data"] for o in cell_by_id(nb, cell_id).outputs if o["output_type"] in ("display_data",
+                                                                                        "execute_result")]
+
+
+def cell_by_id(nb, cell_id):
+    found = [c for c in nb.cells if c.get("id") == cell_id]
+    assert len(found) == 1, f"no cell {cell_id!r}"
+    return found[0]
+
+
+def check_committed_clean(path: Path):
+    """Committed without outputs, and every code cell has an id the checks can name."""
+    nb = nbformat.read(path, 4)
+    nbformat.validate(nb)
+    for c in nb.cells:
+        if c.cell_type == "code":
+            assert not c.outputs and c.execution_count is None, f"{path.name} cell {c.id} has outputs"
+    return nb
+
+
+def run_on_host(gw: Gateway, name: str, tmp_path) -> nbformat.NotebookNode:
+    nb = check_committed_clean(NOTEBOOKS / name)
+    env = {**os.environ, "SANDGATE_URL": gw.url, "SANDGATE_TOKEN": gw.token}
+    # PYTHONPATH passes through os.environ: the kernel imports the same sandgate_client as the tests.
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=env)
+    errors = [(c.id, o) for c in nb.cells if c.cell_type == "code" for o in c.outputs if o["output_type"] == "error"]
+    assert not errors, errors
+    # Every notebook deletes what it made.
+    assert gw.request("GET", "/api/sandboxes").json() == []
+    return nb
+
+
+def test_quickstart(gw, tmp_path):
+    nb = run_on_host(gw, "quickstart.ipynb", tmp_path)
+    assert stdout(nb, "connect") == f"gateway: {gw.url}\ntoken set: True\n"
+    sid = re.fullmatch(r"sandbox (\S+) is running on gvisor\n", stdout(nb, "create")).group(1)
+    run = stdout(nb, "run").splitlines()
+    assert run[0] == "status: ok"
+    assert re.fullmatch(r"stdout: inside: sandbox uid \d+ cwd /workspace", run[1]), run
+    assert run[2] == "value: 42"
+    assert stdout(nb, "state") == "answer + 1 = 43\n"
+    assert stdout(nb, "stream") == ("streamed: ['tick', '0', 'tick', '1', 'tick', '2'] "
+                                    "| same as ex.stdout: True\n")
+    assert stdout(nb, "error") == "error - ZeroDivisionError: division by zero\nZeroDivisionError: division by zero\n"
+    assert stdout(nb, "files") == "[('from_sandbox.txt', 22), ('hello.txt', 22)]\nWRITTEN FROM THE HOST\n"
+    assert stdout(nb, "delete") == f"after delete: NotFound - Sandbox does not exist: {sid}\n"
+    assert gw.request("GET", f"/api/sandboxes/{sid}").status == 404
+
+
+def test_plots(gw, tmp_path):
+    nb = run_on_host(gw, "plots.ipynb", tmp_path)
+    assert re.fullmatch(r"in the sandbox: matplotlib 3\.\d+\.\d+, numpy \d+\.\d+\.\d+\n", stdout(nb, "check"))
+    m = re.fullmatch(r"ok - 1 PNG, (\d+) bytes; max = 0\.88\n", stdout(nb, "plot"))
+    assert m, stdout(nb, "plot")
+    # The sandbox's PNG is shown in the host notebook, byte for byte what run_code returned.
+    [shown] = bundles(nb, "plot")
+    png = base64.b64decode(shown["image/png"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) == int(m.group(1))
+    [svg] = bundles(nb, "svg")
+    assert "<svg" in svg["image/svg+xml"] and "</svg>" in svg["image/svg+xml"]
+    assert re.fullmatch(r"bars\.svg: \d+ characters, starts with <\?xml\n", stdout(nb, "svg"))
+
+
+def test_checkpoint_fork(gw, tmp_path):
+    nb = run_on_host(gw, "checkpoint_fork.ipynb", tmp_path)
+    steps, position = ast.literal_eval(stdout(nb, "setup").split(": ", 1)[1])
+    assert steps == 101
+    assert stdout(nb, "checkpoint") == "checkpoint after-100-steps of sandbox sb\n"
+    lines = stdout(nb, "fork").splitlines()
+    assert [re.sub(r"fork \w+ ", "fork ", x) for x in lines[:2]] == [
+        "fork from sandbox sb: True at the checkpoint: True"] * 2
+    up = ast.literal_eval(lines[2].split(": ", 1)[1].split(":", 1)[1])
+    down = ast.literal_eval(lines[3].split(": ", 1)[1].split(":", 1)[1])
+    # Both forks start where the checkpoint left off, then diverge: one up, one down.
+    assert up[:2] == down[:2] == (151, position)
+    assert up[2] > position > down[2]
+    assert stdout(nb, "diverge") == ("up sees 100 steps, seed 7 | strategy: up\n"
+                                     "down sees 100 steps, seed 7 | strategy: down\n")
+    assert stdout(nb, "original") == "original: steps = 101 | strategy.txt exists: False\n"
+    assert stdout(nb, "cleanup") == "checkpoints of sb: ['after-100-steps']\n"
+
+
+def test_files_and_data(gw, tmp_path):
+    nb = run_on_host(gw, "files_and_data.ipynb", tmp_path)
+    assert stdout(nb, "make") == "36 rows; 1,north,17\n"
+    assert stdout(nb, "upload") == "[('sales.csv', 'file', 449)]\n"
+    assert stdout(nb, "process") == "ok - 36 rows read\n['summary.json', 'totals.csv']\n"
+    assert stdout(nb, "read") == ("totals: {'north': 416, 'south': 472, 'west': 428} best month: 3\n"
+                                  "same as computed on the host: True\n"
+                                  "region,units\nnorth,416\nsouth,472\nwest,428\n")
+    assert stdout(nb, "binary") == "round trip intact: True\nafter remove, exists: False\n"
+
+
+def test_agent_loop(gw, tmp_path):
+    nb = run_on_host(gw, "agent_loop.ipynb", tmp_path)
+    tools = stdout(nb, "tools").splitlines()
+    assert ast.literal_eval(tools[0]) == ["execute_code", "read_file", "write_file", "list_files", "checkpoint",
+                                          "fork", "restore"]
+    assert json.loads(tools[1]) == ["code"]
+    calls = [" ".join(x.split()) for x in stdout(nb, "loop").splitlines()]
+    assert calls[0] == "write_file error=False ['text'] wrote 16 bytes to numbers.txt"
+    # The misspelt argument is a tool error, and the loop goes on.
+    assert calls[1].startswith("execute_code error=True ['text'] bad arguments for execute_code: code: Field req")
+    assert calls[2] == "execute_code error=False ['text'] result: 31"
+    assert calls[3] == "execute_code error=False ['image']"
+    assert re.fullmatch(r"checkpoint error=False \['text'\] checkpoint \w+ of sandbox .*", calls[4])
+    assert calls[5] == "list_files error=False ['text'] numbers.txt file 16"
+    # The scripted model's answer quotes what execute_code returned: results were fed back.
+    assert calls[6:] == ["model: The numbers sum to 31.", "sandboxes deleted: 1"]
+    assert stdout(nb, "transcript") == ("True bad arguments for execute_code: code: Field required; "
+                                        "cod: Extra inputs are not permitted\n14 messages; 1 image block(s) sent back\n")
