@@ -13,9 +13,16 @@ import json
 import os
 import re
 from pathlib import Path
+from threading import Thread
 
 import nbformat
 import pytest
+import websocket
+from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_core.utils import ensure_async, run_sync
+from jupyter_server.gateway.gateway_client import GatewayClient
+from jupyter_server.gateway.managers import GatewayKernelClient, GatewayKernelManager
+from jupyter_server.utils import url_escape, url_path_join
 from nbclient import NotebookClient
 
 from conftest import Gateway
@@ -30,6 +37,10 @@ def gw(home, tmp_path_factory):
     gw = Gateway(home, tmp_path_factory.mktemp("gw"), env={"SANDGATE_MAX_KERNELS": "6"})
     yield gw
     gw.stop()
+
+
+def test_every_notebook_is_run_here():
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(HOST_NOTEBOOKS + ["inside_a_sandbox.ipynb"])
 
 
 def stdout(nb, cell_id) -> str:
@@ -150,3 +161,62 @@ def test_agent_loop(gw, tmp_path):
     assert calls[6:] == ["model: The numbers sum to 31.", "sandboxes deleted: 1"]
     assert stdout(nb, "transcript") == ("True bad arguments for execute_code: code: Field required; "
                                         "cod: Extra inputs are not permitted\n14 messages; 1 image block(s) sent back\n")
+
+
+class TokenGatewayKernelClient(GatewayKernelClient):
+    """jupyter_server's GatewayKernelClient, but its websocket carries the gateway token.
+
+    In jupyter_server 2.21 the REST calls of GatewayKernelManager send GatewayClient.auth_token, but
+    GatewayKernelClient.start_channels opens the websocket with no header at all, so a gateway with a
+    token answers 401 (notebooks/README.md). This is its start_channels with the Authorization header."""
+
+    async def start_channels(self, shell=True, iopub=True, stdin=True, hb=True, control=True):
+        gc = GatewayClient.instance()
+        self.channel_socket = websocket.create_connection(
+            url_path_join(gc.ws_url, gc.kernels_endpoint, url_escape(self.kernel_id), "channels"),
+            timeout=gc.KERNEL_LAUNCH_TIMEOUT, enable_multithread=True,
+            header=[f"{gc.auth_header_key}: {gc.auth_scheme} {gc.auth_token}"])
+        await ensure_async(AsyncKernelClient.start_channels(self, shell=shell, iopub=iopub, stdin=stdin, hb=hb,
+                                                            control=control))
+        self.response_router = Thread(target=self._route_responses)
+        self.response_router.start()
+
+
+@pytest.mark.parametrize("auth", ["token", "no-token"])
+def test_inside_a_sandbox_on_a_gateway_kernel(gw, home, tmp_path, auth):
+    """With a token: GatewayKernelManager and the client above. Without (a gateway started with
+    SANDGATE_TOKEN empty, as notebooks/README.md describes for `jupyter nbconvert`): jupyter_server's
+    classes unchanged."""
+    nb = check_committed_clean(NOTEBOOKS / "inside_a_sandbox.ipynb")
+    target = gw if auth == "token" else Gateway(home, tmp_path, token="", args=("--ip", "127.0.0.1"))
+    try:
+        gc = GatewayClient.instance()
+        gc.url, gc.ws_url, gc.auth_token = target.url, target.url.replace("http", "ws", 1), target.token
+        gc.request_timeout = 120.0
+        km = GatewayKernelManager(client_factory=TokenGatewayKernelClient) if auth == "token" else GatewayKernelManager()
+        try:
+            NotebookClient(nb, km=km, timeout=120, kernel_name="python3").execute()
+            # The kernel nbclient used is the gateway's, in a gVisor sandbox.
+            kernel = target.request("GET", f"/api/kernels/{km.kernel_id}")
+            assert kernel.status == 200 and kernel.json()["driver"] == "gvisor"
+        finally:
+            if km.has_kernel:
+                run_sync(km.shutdown_kernel)()   # nbclient shuts down only kernel managers it made
+        assert target.request("GET", f"/api/kernels/{km.kernel_id}").status == 404
+    finally:
+        if target is not gw:
+            target.stop()
+
+    errors = [(c.id, o) for c in nb.cells if c.cell_type == "code" for o in c.outputs if o["output_type"] == "error"]
+    assert not errors, errors
+    where = stdout(nb, "where").splitlines()
+    assert re.fullmatch(r"python 3\.\d+\.\d+ on Linux", where[0]), where
+    # Not this machine: the sandbox's hostname, workspace and user.
+    assert re.fullmatch(r"cwd /workspace uid \d+ hostname sandbox", where[1]), where
+    assert int(where[1].split()[3]) != os.getuid()
+    [plot] = bundles(nb, "plot")
+    assert base64.b64decode(plot["image/png"]).startswith(b"\x89PNG\r\n\x1a\n")
+    net = stdout(nb, "net").splitlines()
+    assert [line.split(" unreachable: ")[0] for line in net] == ["1.1.1.1", "pypi.org"], net
+    assert stdout(nb, "ws") == ("['hello.txt']\n"
+                                "image root: PermissionError [Errno 13] Permission denied: '/usr/evil.txt'\n")
