@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from threading import Thread
 
@@ -69,10 +70,22 @@ def check_committed_clean(path: Path):
     return nb
 
 
+@pytest.fixture
+def local_python3(tmp_path, monkeypatch):
+    """The kernelspec python3 is this interpreter's ipykernel, whatever other python3 specs the machine
+    has (JUPYTER_PATH comes first): the kernel imports the same sandgate_client as the tests (PYTHONPATH
+    passes through the environment)."""
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (tests)", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+
+
 def run_on_host(gw: Gateway, name: str, tmp_path) -> nbformat.NotebookNode:
     nb = check_committed_clean(NOTEBOOKS / name)
     env = {**os.environ, "SANDGATE_URL": gw.url, "SANDGATE_TOKEN": gw.token}
-    # PYTHONPATH passes through os.environ: the kernel imports the same sandgate_client as the tests.
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)
     errors = [(c.id, o) for c in nb.cells if c.cell_type == "code" for o in c.outputs if o["output_type"] == "error"]
@@ -82,7 +95,7 @@ def run_on_host(gw: Gateway, name: str, tmp_path) -> nbformat.NotebookNode:
     return nb
 
 
-def test_quickstart(gw, tmp_path):
+def test_quickstart(gw, tmp_path, local_python3):
     nb = run_on_host(gw, "quickstart.ipynb", tmp_path)
     assert stdout(nb, "connect") == f"gateway: {gw.url}\ntoken set: True\n"
     sid = re.fullmatch(r"sandbox (\S+) is running on gvisor\n", stdout(nb, "create")).group(1)
@@ -99,7 +112,7 @@ def test_quickstart(gw, tmp_path):
     assert gw.request("GET", f"/api/sandboxes/{sid}").status == 404
 
 
-def test_plots(gw, tmp_path):
+def test_plots(gw, tmp_path, local_python3):
     nb = run_on_host(gw, "plots.ipynb", tmp_path)
     assert re.fullmatch(r"in the sandbox: matplotlib 3\.\d+\.\d+, numpy \d+\.\d+\.\d+\n", stdout(nb, "check"))
     m = re.fullmatch(r"ok - 1 PNG, (\d+) bytes; max = 0\.88\n", stdout(nb, "plot"))
@@ -113,7 +126,7 @@ def test_plots(gw, tmp_path):
     assert re.fullmatch(r"bars\.svg: \d+ characters, starts with <\?xml\n", stdout(nb, "svg"))
 
 
-def test_checkpoint_fork(gw, tmp_path):
+def test_checkpoint_fork(gw, tmp_path, local_python3):
     nb = run_on_host(gw, "checkpoint_fork.ipynb", tmp_path)
     steps, position = ast.literal_eval(stdout(nb, "setup").split(": ", 1)[1])
     assert steps == 101
@@ -132,7 +145,7 @@ def test_checkpoint_fork(gw, tmp_path):
     assert stdout(nb, "cleanup") == "checkpoints of sb: ['after-100-steps']\n"
 
 
-def test_files_and_data(gw, tmp_path):
+def test_files_and_data(gw, tmp_path, local_python3):
     nb = run_on_host(gw, "files_and_data.ipynb", tmp_path)
     assert stdout(nb, "make") == "36 rows; 1,north,17\n"
     assert stdout(nb, "upload") == "[('sales.csv', 'file', 449)]\n"
@@ -143,7 +156,7 @@ def test_files_and_data(gw, tmp_path):
     assert stdout(nb, "binary") == "round trip intact: True\nafter remove, exists: False\n"
 
 
-def test_agent_loop(gw, tmp_path):
+def test_agent_loop(gw, tmp_path, local_python3):
     nb = run_on_host(gw, "agent_loop.ipynb", tmp_path)
     tools = stdout(nb, "tools").splitlines()
     assert ast.literal_eval(tools[0]) == ["execute_code", "read_file", "write_file", "list_files", "checkpoint",
