@@ -81,6 +81,11 @@ def test_restart_clears_state(gateway):
         assert gateway.request("POST", f"/api/kernels/{kid}/restart", {}).status == 200
         out = c.execute("y")
         assert out["errors"][0]["ename"] == "NameError"
+        # A requested restart says "starting" then "idle", never "restarting": to Jupyter
+        # clients that means the kernel died (JupyterLab shows "kernel appears to have died").
+        states = [m["content"]["execution_state"] for m in c.seen
+                  if m["msg_type"] == "status" and not m["parent_header"]]
+        assert "starting" in states and states[-1] == "idle" and "restarting" not in states, states
         assert "files survive" in c.execute("print(open('kept.txt').read())")["stdout"]
         c.close()
     finally:

@@ -669,13 +669,18 @@ class Sandbox:
                 await self._resume()
             in_place = self.state == State.RUNNING and self.link and not self.link.closed.done()
             await self.to(State.RESTARTING)
-            self.fanout.broadcast("iopub", status_message("restarting"))
+            # "starting", as a freshly started ipykernel says. Not "restarting": in Jupyter that
+            # iopub status means the kernel died and was restarted by the server (jupyter_server
+            # sends it only from its auto-restarter), and JupyterLab answers it with a "kernel
+            # appears to have died" dialog. A crash still says "restarting" (_on_event).
+            self.fanout.broadcast("iopub", status_message("starting"))
             self._fail_pending("the kernel was restarted")
             if in_place:
                 try:
                     await self.link.request("restart", timeout=self.manager.settings.kernel_start_timeout)
                     self.activity = "idle"
                     await self.to(State.RUNNING, reason=None)
+                    self.fanout.broadcast("iopub", status_message("idle"))
                     return
                 except AgentError as e:
                     log.warning("sandbox %s: in-sandbox restart failed (%s); recreating the runtime", self.id, e)
