@@ -57,10 +57,16 @@ def test_json_logs_carry_the_sandbox_id(home, tmp_path):
     g = Gateway(home, tmp_path, env={"SANDGATE_LOG_FORMAT": "json", "SANDGATE_WARM_START": "false"})
     try:
         sid = g.request("POST", "/api/sandboxes", {}).json()["id"]
-        g.request("DELETE", f"/api/sandboxes/{sid}")
+        r = g.request("DELETE", f"/api/sandboxes/{sid}", headers={"X-Request-Id": "trace-42"})
+        assert r.status == 204 and r.headers["X-Request-Id"] == "trace-42"
+        made = g.request("GET", "/api/sandboxes").headers["X-Request-Id"]
+        assert len(made) == 16
     finally:
         g.stop()
     lines = [json.loads(line) for line in g.log_text().splitlines() if line.startswith("{")]
     assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
     mine = [line for line in lines if line.get("sandbox") == sid]
     assert any(line["message"].endswith("starting -> running") for line in mine), mine
+    # Lines logged while serving a request carry its id: the client's X-Request-Id, or one made for it.
+    assert any(line.get("request") == "trace-42" and "deleted" in line["message"] for line in lines), lines[-5:]
+    assert all(line.get("request") for line in lines if line["logger"] == "tornado.access")

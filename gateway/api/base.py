@@ -15,6 +15,7 @@ from tornado import web
 
 from ..core.errors import SandgateError
 from ..core.tenants import ADMIN, Principal
+from ..logformat import new_request_id
 from .forward import FORWARDED, forward_http, gather
 
 log = logging.getLogger("sandgate.api")
@@ -73,6 +74,7 @@ class AuthMixin:
 
 class APIHandler(AuthMixin, web.RequestHandler):
     async def prepare(self):
+        self.set_header("X-Request-Id", new_request_id(self.request.headers.get("X-Request-Id")))
         self.set_cors()
         if self.request.method == "OPTIONS":
             return

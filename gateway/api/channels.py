@@ -22,6 +22,7 @@ from ..core.errors import Conflict, NotFound
 from ..core.fanout import IopubLimiter
 from ..core.messages import message, status_message
 from . import wire
+from ..logformat import new_request_id
 from .base import AuthMixin
 from .forward import Relay
 
@@ -40,6 +41,7 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
 
     async def get(self, kernel_id):
         # Refuse before the upgrade, so clients see a real HTTP status.
+        new_request_id(self.request.headers.get("X-Request-Id"))
         self.set_cors()
         self.who = await self.authenticate()
         if self.who is None:

@@ -45,6 +45,7 @@ from ..core.messages import iso, iso_epoch, utcnow
 from ..core.service import MAX_TTL, StartRequest
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
+from ..logformat import new_request_id
 from .base import APIHandler, parse_json
 
 log = logging.getLogger("sandgate.e2b")
@@ -191,6 +192,7 @@ class E2BHandler(APIHandler):
     """E2B's control plane: ``X-API-KEY`` (or Sandgate's own ``Authorization``)."""
 
     async def prepare(self):
+        self.set_header("X-Request-Id", new_request_id(self.request.headers.get("X-Request-Id")))
         self.set_cors()
         if self.request.method == "OPTIONS":
             return
@@ -425,6 +427,7 @@ class SandboxCallHandler(E2BHandler):
     port = ENVD_PORT
 
     async def prepare(self):
+        self.set_header("X-Request-Id", new_request_id(self.request.headers.get("X-Request-Id")))
         self.set_cors()
         self.sid = self.request.headers.get("E2b-Sandbox-Id", "")
         port = self.request.headers.get("E2b-Sandbox-Port", "")

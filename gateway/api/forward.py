@@ -19,18 +19,22 @@ from tornado import httpclient, websocket
 from tornado.httputil import HTTPHeaders
 
 from .. import metrics
+from ..logformat import request_id
 
 log = logging.getLogger("sandgate.forward")
 FORWARDED = "X-Sandgate-Forwarded"
 # What a request carries to the other node, and what comes back to the client. Not Origin: this
 # node has checked it (and answers CORS itself); to the other node the request comes from this one.
-REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept")
+REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 RESPONSE_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "Content-Disposition")
 TIMEOUT = 3600.0  # an execute may run for its own timeout (at most an hour)
 
 
 def headers_for(request, node: str) -> dict:
     h = {k: request.headers[k] for k in REQUEST_HEADERS if k in request.headers}
+    rid = request_id.get()
+    if rid:  # the owner node logs the request under the same id
+        h["X-Request-Id"] = rid
     h[FORWARDED] = node
     return h
 
