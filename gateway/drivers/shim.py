@@ -83,8 +83,8 @@ class Shim:
                 body = await reader.readexactly(size)
                 stdin.write(head + body)
                 await stdin.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # that gateway went away, or the runtime did and the shim is ending: nothing to report
         finally:
             writer.close()
             if self.client is writer:
