@@ -10,9 +10,7 @@ Addresses outside loopback appear only as policy inputs the proxy must refuse be
 
 from __future__ import annotations
 
-import http.server
 import socket
-import ssl
 import string
 import subprocess
 import threading
@@ -25,7 +23,7 @@ import pytest
 from security import escape_attempts as A
 from conftest import DRIVERS, Gateway, wait_for
 from sandgate.drivers.base import tag
-from test_egress_proxy import PLAIN_IP, TLS_IP, Echo, make_ca
+from test_egress_proxy import PLAIN_IP, TLS_IP, upstream  # noqa: F401 (the HTTPS/HTTP servers, a fixture)
 
 MARKER = uuid.uuid4().hex
 VICTIM_FILE = f"victim-{MARKER[:12]}.txt"
@@ -39,23 +37,6 @@ HOSTS = {"secure.test": TLS_IP, "other.test": TLS_IP, "plain.test": PLAIN_IP, "d
          "doc.evil.test": "192.0.2.1", "mapped.evil.test": "::ffff:127.0.0.3", "v6lo.evil.test": "::1",
          "nat64.evil.test": "64:ff9b::7f00:3", "sixto4.evil.test": "2002:7f00:3::1", "ll6.evil.test": "fe80::1",
          "ula.evil.test": "fd00::1", "metav6.evil.test": "fd00:ec2::254"}
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("upstream")
-    ca, leaf = make_ca(tmp)
-    plain = http.server.ThreadingHTTPServer((PLAIN_IP, 0), Echo)
-    tls = http.server.ThreadingHTTPServer((TLS_IP, 0), Echo)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(leaf)
-    tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
-    for server in (plain, tls):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {"ca": ca, "http": plain.server_address[1], "https": tls.server_address[1]}
-    for server in (plain, tls):
-        server.shutdown()
-        server.server_close()
 
 
 class Env:
