@@ -78,7 +78,6 @@ def make_app(settings: Settings, service: SandboxService) -> web.Application:
         default_handler_class=jupyter.NotFoundHandler,
         sandgate=settings,
         service=service,
-        notebook_sessions=jupyter.NotebookSessions(),
         fleet=None,  # a core.fleet.Fleet once serving on a shared store
         stopping=False,  # set once the gateway shuts down: /healthz answers 503
         shutdown=lambda: None,  # stops the gateway (a drain ends with it); set by `sandgate serve`

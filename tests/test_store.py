@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandgate.core.record import SandboxRecord, TenantRecord
+from sandgate.core.record import NotebookSessionRecord, SandboxRecord, TenantRecord
 from sandgate.core.states import State
 from sandgate.egress.policy import EgressPolicy
 from sandgate.egress.secrets import Secret
@@ -160,6 +160,44 @@ async def test_tenants_are_created_once(make_store):
     assert await store.delete_tenant("acme") and not await store.delete_tenant("acme")
     assert await store.get_tenant("acme") is None and await store.list_tenants() == []
     await store.close()
+
+
+def nb(i, path, owner="acme", kernel="k1") -> NotebookSessionRecord:
+    return NotebookSessionRecord(id=i, owner=owner, path=path, kernel_id=kernel)
+
+
+@run
+async def test_notebook_sessions_hold_a_path_per_owner(make_store):
+    store, other = make_store(), make_store(node="n2")  # a second gateway on the same data
+    assert await store.put_session(nb("a", "x.ipynb"))
+    assert await store.put_session(nb("b", "y.ipynb"))
+    assert await store.put_session(nb("c", "x.ipynb", owner="globex"))  # paths are per owner
+    assert not await other.put_session(nb("d", "x.ipynb"))  # taken: nothing written
+    assert await other.get_session("d") is None
+    assert not await other.put_session(nb("b", "x.ipynb"))  # moving onto a's path fails too...
+    assert (await store.get_session("b")).path == "y.ipynb"  # ...and b keeps its own
+    assert await other.put_session(nb("b", "z.ipynb", kernel="k2"))  # a rename frees y.ipynb
+    assert (await store.session_by_path("acme", "z.ipynb")).kernel_id == "k2"
+    assert await store.session_by_path("acme", "y.ipynb") is None
+    assert await store.put_session(nb("d", "y.ipynb"))
+    assert sorted(s.id for s in await store.list_sessions("acme")) == ["a", "b", "d"]
+    assert [s.id for s in await other.list_sessions("globex")] == ["c"]
+    assert len(await store.list_sessions()) == 4
+    assert await store.delete_session("a") and not await other.delete_session("a")
+    assert await store.get_session("a") is None and await store.session_by_path("acme", "x.ipynb") is None
+    assert await other.put_session(nb("e", "x.ipynb"))  # freed by the delete
+    for s in (store, other):
+        await s.close()
+
+
+@run
+async def test_concurrent_sessions_for_one_path_one_wins(make_store):
+    stores = [make_store(node=f"n{i}") for i in range(2)]
+    won = await asyncio.gather(*(s.put_session(nb(f"s{j}-{s.node}", "race.ipynb")) for s in stores for j in range(10)))
+    assert sum(won) == 1
+    assert len(await stores[0].list_sessions("acme")) == 1
+    for s in stores:
+        await s.close()
 
 
 @run

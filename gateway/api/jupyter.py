@@ -4,6 +4,7 @@ Shapes and status codes follow Jupyter Kernel Gateway 3.0 / jupyter_server 2
 (see docs/api.md), with their known defects fixed: an unknown kernel name is
 404 rather than a 500 with a traceback, the kernel list is open by default,
 OPTIONS needs no token, and sessions honour max_kernels.
+Sessions are store records, shared by a fleet and kept across restarts.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import uuid
 from typing import Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict
-from tornado import web
+from tornado import httpclient, web
 
 from .. import __version__
 from ..core.errors import NotFound
+from ..core.messages import iso_epoch
+from ..core.record import NotebookSessionRecord, SandboxRecord
+from ..core.states import State
 from ..core.service import StartRequest
 from ..core.tenants import Principal
 from .base import APIHandler, error, not_found
+from .forward import headers_for
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
@@ -111,41 +116,85 @@ class KernelActionHandler(APIHandler):
         self.reply((await self.service.restart(kernel_id, self.who)).model())
 
 
-class NotebookSessions:
-    """jupyter_server's session records: a notebook path bound to a kernel.
-    Each belongs to the tenant that made it ("" for the admin); a tenant sees
-    its own only, the admin all."""
-
-    def __init__(self):
-        self.sessions: Dict[str, dict] = {}
-
-    def model(self, sid: str, service) -> Optional[dict]:
-        s = self.sessions[sid]
-        try:
-            kernel = service.get(s["kernel_id"]).model()
-        except NotFound:
-            return None
-        return {"id": sid, "path": s["path"], "name": s["name"], "type": s["type"], "kernel": kernel,
-                "notebook": {"path": s["path"], "name": s["name"]}}
-
-    def live(self, service, who: Principal) -> List[dict]:
-        out = []
-        for sid in list(self.sessions):
-            m = self.model(sid, service)
-            if m is None:  # its kernel was deleted or culled
-                del self.sessions[sid]
-            elif who.sees(self.sessions[sid]["owner"]):
-                out.append(m)
-        return out
+def record_model(rec: SandboxRecord) -> dict:
+    """The Jupyter kernel model of a kernel on another node, from its record
+    (no live activity or connection count here: its node has those)."""
+    m = {"id": rec.id, "name": rec.kernel_name, "last_activity": iso_epoch(rec.created),
+         "execution_state": "idle" if rec.state == State.RUNNING else rec.state.value, "connections": 0,
+         "driver": rec.driver, "created": iso_epoch(rec.created), "node": rec.node}
+    if rec.expires:
+        m["expires"] = iso_epoch(rec.expires)
+    if rec.reason:
+        m["reason"] = rec.reason
+    return m
 
 
 class SessionsHandler(APIHandler):
-    @property
-    def store(self) -> NotebookSessions:
-        return self.settings["notebook_sessions"]
+    """jupyter_server's sessions: a notebook path bound to a kernel, kept as
+    records of the session store (store/base.py), so every node of a fleet
+    answers for all of them and a restarted gateway still has them. Each
+    belongs to the tenant that made it ("" for the admin): a tenant sees its
+    own only, the admin all."""
 
-    def get(self):
-        self.reply(self.store.live(self.service, self.who))
+    @property
+    def store(self):
+        return self.service.manager.store
+
+    async def kernel_model(self, kernel_id: str) -> Optional[dict]:
+        """The kernel's model, wherever it runs; None if it is gone or dead."""
+        sb = self.service.manager.sandboxes.get(kernel_id)
+        if sb is not None:
+            return None if sb.state == State.DEAD else sb.model()
+        rec = await self.store.get(kernel_id)
+        return None if rec is None or rec.state == State.DEAD else record_model(rec)
+
+    async def model(self, s: NotebookSessionRecord) -> Optional[dict]:
+        """The session's answer; None (and the record removed) once its kernel
+        was deleted, culled or found dead."""
+        kernel = await self.kernel_model(s.kernel_id)
+        if kernel is None:
+            await self.store.delete_session(s.id)
+            return None
+        return {"id": s.id, "path": s.path, "name": s.name, "type": s.type, "kernel": kernel,
+                "notebook": {"path": s.path, "name": s.name}}
+
+    async def live(self) -> List[dict]:
+        records = await self.store.list_sessions(None if self.who.admin else self.who.owner)
+        return [m for m in [await self.model(s) for s in records] if m is not None]
+
+    async def check_kernel(self, kernel_id: str) -> None:
+        """A kernel the caller may bind a session to, on any node."""
+        if kernel_id in self.service.manager.sandboxes:
+            kernel(self, kernel_id)
+            return
+        rec = await self.store.get(kernel_id)
+        if rec is None or not self.who.sees(rec.owner):
+            raise not_found(f"Kernel does not exist: {kernel_id}")
+
+    async def delete_kernel(self, kernel_id: str) -> None:
+        """Stop the kernel on its own node (forwarded there if not this one)."""
+        fleet = self.settings.get("fleet")
+        url = await fleet.locate(kernel_id, self.who) if fleet is not None else None
+        if url is None:
+            try:
+                await self.service.delete(kernel_id, self.who)
+            except NotFound:
+                pass
+            return
+        r = await httpclient.AsyncHTTPClient().fetch(
+            f"{url.rstrip('/')}/api/kernels/{kernel_id}", method="DELETE",
+            headers=headers_for(self.request, self.settings["sandgate"].node_id), raise_error=False,
+            request_timeout=60)
+        if r.code not in (204, 404):
+            raise error(502, f"could not delete kernel {kernel_id} on its node ({url}): HTTP {r.code}")
+
+    async def new_kernel(self, name: Optional[str]) -> str:
+        if name and name not in self.service.manager.specs.specs:
+            raise error(501, f"The '{name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
+        return (await start_kernel(self, name, None)).id
+
+    async def get(self):
+        self.reply(await self.live())
 
     async def post(self):
         body = self.body(SessionCreate)
@@ -156,56 +205,69 @@ class SessionsHandler(APIHandler):
         kind = body.type or ("notebook" if extra.get("notebook") else None)
         if not kind:
             raise error(400, "Missing field in JSON data: type")
-        for m in self.store.live(self.service, self.who):
-            if m["path"] == path and self.store.sessions[m["id"]]["owner"] == self.who.owner:
-                return self.reply(m, 201)
+        # jupyter_server answers a POST for a path that has a session with that session.
+        existing = await self.store.session_by_path(self.who.owner, path)
+        m = await self.model(existing) if existing else None
+        if m is not None:
+            return self.reply(m, 201)
         spec = body.kernel or SessionKernel()
         if spec.id:
-            k = kernel(self, spec.id)
+            await self.check_kernel(spec.id)
+            kid = spec.id
         else:
-            if spec.name and spec.name not in self.service.manager.specs.specs:
-                raise error(501, f"The '{spec.name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
-            k = await start_kernel(self, spec.name, None)
-        sid = str(uuid.uuid4())
-        self.store.sessions[sid] = {"path": path, "name": body.name or "", "type": kind, "kernel_id": k.id,
-                                    "owner": self.who.owner}
-        self.set_header("Location", f"/api/sessions/{sid}")
-        self.reply(self.store.model(sid, self.service), 201)
+            kid = await self.new_kernel(spec.name)
+        rec = NotebookSessionRecord(id=str(uuid.uuid4()), owner=self.who.owner, path=path, name=body.name or "",
+                                    type=kind, kernel_id=kid)
+        if not await self.store.put_session(rec):
+            # Another request (on any node) took the path meanwhile: answer with its session.
+            if not spec.id:
+                await self.delete_kernel(kid)
+            existing = await self.store.session_by_path(self.who.owner, path)
+            m = await self.model(existing) if existing else None
+            if m is None:
+                raise error(409, f"Path {path} is taken by another session")
+            return self.reply(m, 201)
+        self.set_header("Location", f"/api/sessions/{rec.id}")
+        self.reply(await self.model(rec), 201)
 
 
 class SessionHandler(SessionsHandler):
-    def session(self, sid):
-        if (sid not in self.store.sessions or not self.who.sees(self.store.sessions[sid]["owner"])
-                or self.store.model(sid, self.service) is None):
+    async def session(self, sid) -> NotebookSessionRecord:
+        s = await self.store.get_session(sid)
+        if s is None or not self.who.sees(s.owner) or await self.kernel_model(s.kernel_id) is None:
+            if s is not None and self.who.sees(s.owner):
+                await self.store.delete_session(sid)  # its kernel is gone
             raise not_found(f"Session not found: {sid}")
-        return self.store.sessions[sid]
+        return s
 
-    def get(self, sid):
-        self.session(sid)
-        self.reply(self.store.model(sid, self.service))
+    async def get(self, sid):
+        self.reply(await self.model(await self.session(sid)))
 
     async def patch(self, sid):
-        s = self.session(sid)
+        s = await self.session(sid)
         body = self.body(SessionCreate)
-        for key in ("path", "name", "type"):
-            if getattr(body, key) is not None:
-                s[key] = getattr(body, key)
+        changes = {k: getattr(body, k) for k in ("path", "name", "type") if getattr(body, k) is not None}
+        old_kernel = None
         if body.kernel and body.kernel.id:
-            kernel(self, body.kernel.id)
-            s["kernel_id"] = body.kernel.id
+            await self.check_kernel(body.kernel.id)
+            changes["kernel_id"] = body.kernel.id
         elif body.kernel and body.kernel.name:
-            old = s["kernel_id"]
-            s["kernel_id"] = (await start_kernel(self, body.kernel.name, None)).id
-            await self.service.delete(old, self.who)
-        self.reply(self.store.model(sid, self.service))
+            old_kernel = s.kernel_id
+            changes["kernel_id"] = await self.new_kernel(body.kernel.name)
+        new = s.model_copy(update=changes)
+        if not await self.store.put_session(new):
+            if old_kernel:
+                await self.delete_kernel(new.kernel_id)
+            raise error(409, f"Path {new.path} is taken by another session; "
+                             "delete that session first or pick another path")
+        if old_kernel:
+            await self.delete_kernel(old_kernel)
+        self.reply(await self.model(new))
 
     async def delete(self, sid):
-        s = self.session(sid)
-        del self.store.sessions[sid]
-        try:
-            await self.service.delete(s["kernel_id"], self.who)
-        except NotFound:
-            pass
+        s = await self.session(sid)
+        await self.store.delete_session(sid)
+        await self.delete_kernel(s.kernel_id)
         self.set_status(204)
         self.finish()
 

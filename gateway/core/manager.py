@@ -170,6 +170,11 @@ class SandboxManager:
         sb = self.get(sandbox_id)
         await sb.delete()
         self.sandboxes.pop(sandbox_id, None)
+        # Its Jupyter sessions go with it (a deleted or culled kernel; readers
+        # also drop a session whose kernel is gone or dead, e.g. on a lost node).
+        for ns in await self.store.list_sessions(sb.record.owner):
+            if ns.kernel_id == sandbox_id:
+                await self.store.delete_session(ns.id)
         if self.egress:
             self.egress.forget(sandbox_id)
         await self.gc()

@@ -65,3 +65,17 @@ class TenantRecord(BaseModel):
     max_sandboxes: Optional[int] = None  # None: the gateway's default (SANDGATE_TENANT_MAX_SANDBOXES)
     max_memory_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_MEMORY_MB
     created: float = Field(default_factory=time.time)
+
+
+class NotebookSessionRecord(BaseModel):
+    """A Jupyter session (/api/sessions): a notebook path bound to a kernel,
+    kept in the store so every node of a fleet sees it and a restart keeps it.
+    ``owner`` is the tenant ("" for the admin); a path is held by at most one
+    of an owner's sessions."""
+
+    id: str
+    owner: str = ""
+    path: str
+    name: str = ""
+    type: str = "notebook"
+    kernel_id: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Dict, List, Optional
 
-from ..core.record import SandboxRecord, TenantRecord
+from ..core.record import NotebookSessionRecord, SandboxRecord, TenantRecord
 from ..core.states import State
 
 
@@ -54,6 +54,28 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def delete_tenant(self, name: str) -> bool:
         """Remove it; False if there was none."""
+
+    # Jupyter sessions (/api/sessions), scoped by owner. An owner's path is
+    # held by one session at most: ``put_session`` takes it atomically (SQLite:
+    # a unique constraint; Redis: one Lua script), never read-then-write.
+    @abc.abstractmethod
+    async def put_session(self, record: NotebookSessionRecord) -> bool:
+        """Create or replace ``record`` (its owner never changes); False (nothing
+        written) if another of the owner's sessions holds its path."""
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: str) -> Optional[NotebookSessionRecord]: ...
+
+    @abc.abstractmethod
+    async def session_by_path(self, owner: str, path: str) -> Optional[NotebookSessionRecord]: ...
+
+    @abc.abstractmethod
+    async def list_sessions(self, owner: Optional[str] = None) -> List[NotebookSessionRecord]:
+        """An owner's sessions; every owner's with None (the admin)."""
+
+    @abc.abstractmethod
+    async def delete_session(self, session_id: str) -> bool:
+        """Remove it and free its path; False if there was none."""
 
     # Node liveness. The embedded store has one node, alive while it runs.
     async def heartbeat(self, node: str, ttl: float, info: Optional[dict] = None) -> None:

@@ -9,6 +9,10 @@ runs as one Lua script, so nothing is read-then-written across round trips:
   record's node);
 - ``sandgate:tenant:<name>``: a tenant's JSON (token hash only), created with
   SET NX; ``sandgate:tenants`` the set of names;
+- ``sandgate:nbs:<id>``: a Jupyter session's hash (``record``, ``owner``,
+  ``path``); ``sandgate:nbpath:<owner>`` a hash path -> session id (who holds
+  a path, taken in the same script that writes the session);
+  ``sandgate:nbsessions`` the set of ids;
 - ``sandgate:alive:<node>``: a node's heartbeat, with a TTL (node liveness);
   ``sandgate:nodes`` the set of nodes ever seen.
 
@@ -23,7 +27,7 @@ from typing import Dict, List, Optional
 
 from redis import asyncio as aioredis
 
-from ..core.record import SandboxRecord, TenantRecord
+from ..core.record import NotebookSessionRecord, SandboxRecord, TenantRecord
 from ..core.states import State
 from .base import SessionStore
 
@@ -65,6 +69,34 @@ if node then redis.call('SREM', ARGV[2] .. 'node:' .. node .. ':sandboxes', ARGV
 return node and 1 or 0
 """
 
+# put_session: take the path unless another session holds it, free the old
+# path, write the record. ARGV: id, owner, path, record JSON, key prefix.
+PUT_SESSION = """
+local paths = ARGV[5] .. 'nbpath:' .. ARGV[2]
+local holder = redis.call('HGET', paths, ARGV[3])
+if holder and holder ~= ARGV[1] then return 0 end
+local key = ARGV[5] .. 'nbs:' .. ARGV[1]
+local old = redis.call('HGET', key, 'path')
+if old and old ~= ARGV[3] and redis.call('HGET', paths, old) == ARGV[1] then redis.call('HDEL', paths, old) end
+redis.call('HSET', key, 'record', ARGV[4], 'owner', ARGV[2], 'path', ARGV[3])
+redis.call('HSET', paths, ARGV[3], ARGV[1])
+redis.call('SADD', ARGV[5] .. 'nbsessions', ARGV[1])
+return 1
+"""
+
+# delete_session: ARGV: id, key prefix.
+DELETE_SESSION = """
+local key = ARGV[2] .. 'nbs:' .. ARGV[1]
+local owner = redis.call('HGET', key, 'owner')
+if not owner then return 0 end
+local paths = ARGV[2] .. 'nbpath:' .. owner
+local path = redis.call('HGET', key, 'path')
+if redis.call('HGET', paths, path) == ARGV[1] then redis.call('HDEL', paths, path) end
+redis.call('DEL', key)
+redis.call('SREM', ARGV[2] .. 'nbsessions', ARGV[1])
+return 1
+"""
+
 
 class RedisStore(SessionStore):
     def __init__(self, url: str, node: str, prefix: str = "sandgate:"):
@@ -75,6 +107,8 @@ class RedisStore(SessionStore):
         self._put = self.redis.register_script(PUT)
         self._cas = self.redis.register_script(CAS)
         self._delete = self.redis.register_script(DELETE)
+        self._put_session = self.redis.register_script(PUT_SESSION)
+        self._delete_session = self.redis.register_script(DELETE_SESSION)
 
     def _key(self, sandbox_id: str) -> str:
         return f"{self.prefix}sb:{sandbox_id}"
@@ -135,6 +169,33 @@ class RedisStore(SessionStore):
             pipe.srem(f"{self.prefix}tenants", name)
             deleted, _ = await pipe.execute()
         return deleted == 1
+
+    # -- Jupyter sessions ------------------------------------------------------------
+    async def put_session(self, record: NotebookSessionRecord) -> bool:
+        return bool(await self._put_session(
+            args=[record.id, record.owner, record.path, record.model_dump_json(), self.prefix]))
+
+    async def get_session(self, session_id: str) -> Optional[NotebookSessionRecord]:
+        raw = await self.redis.hget(f"{self.prefix}nbs:{session_id}", "record")
+        return NotebookSessionRecord.model_validate_json(raw) if raw else None
+
+    async def session_by_path(self, owner: str, path: str) -> Optional[NotebookSessionRecord]:
+        sid = await self.redis.hget(f"{self.prefix}nbpath:{owner}", path)
+        return await self.get_session(sid) if sid else None
+
+    async def list_sessions(self, owner: Optional[str] = None) -> List[NotebookSessionRecord]:
+        ids = sorted(await self.redis.smembers(f"{self.prefix}nbsessions"))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hget(f"{self.prefix}nbs:{i}", "record")
+            raws = await pipe.execute()
+        records = [NotebookSessionRecord.model_validate_json(r) for r in raws if r]
+        return [r for r in records if owner is None or r.owner == owner]
+
+    async def delete_session(self, session_id: str) -> bool:
+        return bool(await self._delete_session(args=[session_id, self.prefix]))
 
     # -- node liveness -----------------------------------------------------------------
     async def heartbeat(self, node: str, ttl: float, info: Optional[dict] = None) -> None:

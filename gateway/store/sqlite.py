@@ -12,7 +12,7 @@ import sqlite3
 from pathlib import Path
 from typing import List, Optional
 
-from ..core.record import SandboxRecord, TenantRecord
+from ..core.record import NotebookSessionRecord, SandboxRecord, TenantRecord
 from ..core.states import State
 from .base import SessionStore
 
@@ -27,6 +27,13 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
     record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS notebook_sessions (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    path TEXT NOT NULL,
+    record TEXT NOT NULL,
+    UNIQUE (owner, path)  -- one session per path and owner, enforced by SQLite itself
 );
 """
 
@@ -82,6 +89,35 @@ class SQLiteStore(SessionStore):
 
     async def delete_tenant(self, name: str) -> bool:
         return self.db.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount == 1
+
+    async def put_session(self, record: NotebookSessionRecord) -> bool:
+        try:
+            # An upsert on the id, not INSERT OR REPLACE: that would delete the
+            # other session holding the path instead of failing.
+            self.db.execute("INSERT INTO notebook_sessions (id, owner, path, record) VALUES (?, ?, ?, ?) "
+                            "ON CONFLICT (id) DO UPDATE SET path = excluded.path, record = excluded.record",
+                            (record.id, record.owner, record.path, record.model_dump_json()))
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    async def get_session(self, session_id: str) -> Optional[NotebookSessionRecord]:
+        row = self.db.execute("SELECT record FROM notebook_sessions WHERE id = ?", (session_id,)).fetchone()
+        return NotebookSessionRecord.model_validate_json(row[0]) if row else None
+
+    async def session_by_path(self, owner: str, path: str) -> Optional[NotebookSessionRecord]:
+        row = self.db.execute("SELECT record FROM notebook_sessions WHERE owner = ? AND path = ?",
+                              (owner, path)).fetchone()
+        return NotebookSessionRecord.model_validate_json(row[0]) if row else None
+
+    async def list_sessions(self, owner: Optional[str] = None) -> List[NotebookSessionRecord]:
+        q, args = "SELECT record FROM notebook_sessions", ()
+        if owner is not None:
+            q, args = q + " WHERE owner = ?", (owner,)
+        return [NotebookSessionRecord.model_validate_json(r[0]) for r in self.db.execute(q + " ORDER BY rowid", args)]
+
+    async def delete_session(self, session_id: str) -> bool:
+        return self.db.execute("DELETE FROM notebook_sessions WHERE id = ?", (session_id,)).rowcount == 1
 
     async def close(self) -> None:
         self.db.close()
