@@ -7,6 +7,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 from urllib.parse import quote
@@ -18,6 +20,10 @@ DEFAULT_URL = "http://127.0.0.1:8888"
 DEFAULT_TIMEOUT = 60.0  # seconds, for a call that does not say
 CREATE_TIMEOUT = 180.0  # a cold start of a microVM, or a restore, can take a while
 RUN_GRACE = 30.0  # past a cell's timeout: the gateway interrupts it and answers; how long to wait for that
+# An execute whose node went away (503 "unavailable", a dropped connection) is sent again with the same
+# execution id, which the gateway runs at most once: this many more tries, waits doubling up to RETRY_MAX_WAIT.
+RETRIES = 4
+RETRY_FIRST_WAIT, RETRY_MAX_WAIT = 0.5, 4.0
 
 
 def settings(url: Optional[str], token: Optional[str]) -> tuple[str, str]:
@@ -75,10 +81,28 @@ def delete(sid: str, timeout=None) -> Call:
     return Call("DELETE", f"/api/sandboxes/{sid}", ok=(204,), parse=lambda b: None, timeout=timeout)
 
 
-def execute(sid: str, code: str, timeout: float, stream: bool) -> Call:
+def execute(sid: str, code: str, timeout: float, stream: bool, execution_id: Optional[str] = None,
+            deadline: Optional[float] = None) -> Call:
+    """``deadline`` (time.monotonic()): a retry gets what is left of the first try's time, no more."""
     headers = {"Accept": "text/event-stream"} if stream else {}
-    return Call("POST", f"/api/sandboxes/{sid}/execute", _json({"code": code, "timeout": timeout}),
-                parse=lambda b: Execution.from_json(json.loads(b)), timeout=timeout + RUN_GRACE, headers=headers)
+    body = {"code": code, "timeout": timeout, **({"id": execution_id} if execution_id else {})}
+    left = timeout + RUN_GRACE if deadline is None else max(0.1, deadline - time.monotonic())
+    return Call("POST", f"/api/sandboxes/{sid}/execute", _json(body),
+                parse=lambda b: Execution.from_json(json.loads(b)), timeout=left, headers=headers)
+
+
+def new_execution_id() -> str:
+    return uuid.uuid4().hex
+
+
+def retry_wait(e: SandgateError, attempt: int, deadline: float) -> Optional[float]:
+    """How long to wait before trying an execute again after ``e``; None: do not (not a lost
+    node or connection, out of tries, or no time left for another)."""
+    lost = getattr(e, "code", None) in ("unavailable", "unreachable") or getattr(e, "incomplete", False)
+    if not lost or attempt >= RETRIES:
+        return None
+    wait = min(RETRY_FIRST_WAIT * 2 ** attempt, RETRY_MAX_WAIT)
+    return wait if time.monotonic() + wait < deadline else None
 
 
 def pause(sid: str, mode: str, timeout=None) -> Call:
@@ -193,6 +217,12 @@ class Callbacks:
         self.on_error, self.on_output = on_error, on_output
         self.live = Execution()
         self.pending: list = []  # awaitables the async client awaits
+        # A retry that joins the execution gets its outputs from the start again: the ones
+        # already delivered are skipped (index counts this try's, high the most ever delivered).
+        self.index = self.high = 0
+
+    def rewind(self) -> None:
+        self.index = 0
 
     def _call(self, fn, arg) -> None:
         if fn is None:
@@ -202,6 +232,10 @@ class Callbacks:
             self.pending.append(r)
 
     def output(self, out: dict) -> None:
+        self.index += 1
+        if self.index <= self.high:
+            return
+        self.high = self.index
         before = len(self.live.results)
         self.live.add(out)
         self._call(self.on_output, out)
@@ -242,4 +276,6 @@ def stream_event(cb: Callbacks, event: str, data: str) -> Optional[Execution]:
 
 
 def incomplete() -> SandgateError:
-    return SandgateError("the gateway closed the execute stream before its result")
+    e = SandgateError("the gateway closed the execute stream before its result")
+    e.incomplete = True  # a dropped connection: retried with the same execution id
+    return e

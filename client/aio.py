@@ -163,10 +163,21 @@ class AsyncSandbox:
                        on_result: Optional[Callable] = None, on_error: Optional[Callable] = None,
                        on_output: Optional[Callable] = None, timeout: float = 60.0) -> Execution:
         cb = api.Callbacks(on_stdout, on_stderr, on_result, on_error, on_output)
-        try:
-            ex = await self._http.stream(api.execute(self.id, code, timeout, stream=True), cb)
-        except Conflict as e:
-            raise await self._died(e, cb.live)
+        # One id for every try: a retry after a lost node joins the run or gets its result, never reruns it.
+        eid, deadline, attempt = api.new_execution_id(), time.monotonic() + timeout + api.RUN_GRACE, 0
+        while True:
+            try:
+                ex = await self._http.stream(api.execute(self.id, code, timeout, True, eid, deadline), cb)
+                break
+            except Conflict as e:
+                raise await self._died(e, cb.live)
+            except SandgateError as e:
+                wait = api.retry_wait(e, attempt, deadline)
+                if wait is None:
+                    raise
+                attempt += 1
+                cb.rewind()
+                await asyncio.sleep(wait)
         return api.finish(ex, timeout)
 
     async def _died(self, e: Conflict, live: Execution) -> Conflict:

@@ -181,10 +181,21 @@ class Sandbox:
         and ``Timeout`` is raised (``e.execution`` has the output so far); a sandbox
         that dies mid-cell raises ``SandboxDied``."""
         cb = api.Callbacks(on_stdout, on_stderr, on_result, on_error, on_output)
-        try:
-            ex = self._http.stream(api.execute(self.id, code, timeout, stream=True), cb)
-        except Conflict as e:
-            raise self._died(e, cb.live)
+        # One id for every try: a retry after a lost node joins the run or gets its result, never reruns it.
+        eid, deadline, attempt = api.new_execution_id(), time.monotonic() + timeout + api.RUN_GRACE, 0
+        while True:
+            try:
+                ex = self._http.stream(api.execute(self.id, code, timeout, True, eid, deadline), cb)
+                break
+            except Conflict as e:
+                raise self._died(e, cb.live)
+            except SandgateError as e:
+                wait = api.retry_wait(e, attempt, deadline)
+                if wait is None:
+                    raise
+                attempt += 1
+                cb.rewind()
+                time.sleep(wait)
         return api.finish(ex, timeout)
 
     def _died(self, e: Conflict, live: Execution) -> Conflict:

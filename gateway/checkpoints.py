@@ -99,9 +99,12 @@ class Checkpoint(BaseModel):
     files_bytes: int  # the workspace's logical size
     new_bytes: int  # what this checkpoint added to the blob store (data stored; holes are free)
     files: Dict[str, FileEntry] = {}
+    # The sandbox's finished execution ids and kept results (core/executions.py): a retry after a
+    # take-over from this checkpoint is answered from here, not run again.
+    executions: dict = {}
 
     def summary(self) -> dict:
-        return self.model_dump(exclude={"files"}) | {"file_count": len(self.files)}
+        return self.model_dump(exclude={"files", "executions"}) | {"file_count": len(self.files)}
 
     def paths(self) -> Dict[bytes, FileEntry]:
         """The manifest by file name as bytes, relative to the workspace."""

@@ -39,12 +39,23 @@ def headers_for(request, node: str) -> dict:
     return h
 
 
+def unavailable(base_url: str, why: object) -> dict:
+    """The 503 reason a client gets when the node holding its sandbox is gone mid-call."""
+    return {"reason": "Service Unavailable", "code": "unavailable", "node": base_url,
+            "message": f"the node holding this sandbox ({base_url}) is unreachable or went away: {why}; "
+                       f"the request may be retried (an execute with the same id runs at most once)"}
+
+
 async def forward_http(handler, base_url: str, node: str) -> None:
-    """Answer ``handler``'s request with the other node's answer, streamed."""
+    """Answer ``handler``'s request with the other node's answer. Event streams and file
+    bodies stream as they arrive; a JSON answer is passed on whole, so that a node lost
+    halfway still leaves the client a 503 with a reason rather than half a body."""
     req = handler.request
     metrics.FORWARDED.labels("http").inc()
     status = {"code": 502, "reason": "Bad Gateway"}
     headers = HTTPHeaders()
+    held: list = []  # a JSON body, until it is whole
+    mode = {"hold": False, "stream": False}
 
     def on_header(line: str) -> None:
         if line.startswith("HTTP/"):
@@ -53,13 +64,31 @@ async def forward_http(handler, base_url: str, node: str) -> None:
             headers.clear()  # a 100 Continue's headers are not the answer's
         elif line.strip():
             headers.parse_line(line.rstrip("\r\n"))
-        else:  # the end of the headers: the client gets them now, before any body
-            handler.set_status(status["code"], status["reason"] or None)
-            for name in RESPONSE_HEADERS:
-                if name in headers:
-                    handler.set_header(name, headers[name])
+        elif status["code"] != 100:  # the end of the headers
+            kind = headers.get("Content-Type", "")
+            mode["stream"] = kind.startswith("text/event-stream")
+            mode["hold"] = kind.startswith("application/json")
+            if not mode["hold"]:  # streamed: the client gets the headers now, before any body
+                send_headers()
+
+    def send_headers() -> None:
+        handler.set_status(status["code"], status["reason"] or None)
+        for name in RESPONSE_HEADERS:
+            if name in headers:
+                handler.set_header(name, headers[name])
 
     def on_chunk(chunk: bytes) -> None:
+        if mode["hold"]:
+            held.append(chunk)
+            return
+        if mode["stream"]:  # whole events only: a node lost mid-event leaves no half event behind
+            held.append(chunk)
+            whole = b"".join(held)
+            cut = whole.rfind(b"\n\n") + 2
+            held[:] = [whole[cut:]] if cut < len(whole) else []
+            chunk = whole[:cut]
+            if not chunk:
+                return
         handler.write(chunk)
         handler.flush()
 
@@ -68,14 +97,23 @@ async def forward_http(handler, base_url: str, node: str) -> None:
         body=req.body if req.method in ("POST", "PUT", "PATCH") else None, allow_nonstandard_methods=True,
         request_timeout=TIMEOUT, header_callback=on_header, streaming_callback=on_chunk, decompress_response=False)
     try:
+        # HTTPClientError (599): the connection closed before the answer was whole (a node killed mid-call)
         await httpclient.AsyncHTTPClient().fetch(fetch, raise_error=False)
-    except OSError as e:
-        log.warning("%s %s: node at %s unreachable: %s", req.method, req.path, base_url, e)
+    except (OSError, httpclient.HTTPClientError) as e:
+        log.warning("%s %s: node at %s unreachable or gone mid-call: %s", req.method, req.path, base_url, e)
+        reason = unavailable(base_url, e)
         if not handler._headers_written:
             handler.set_status(503)
             handler.set_header("Content-Type", "application/json")
-            handler.write({"reason": "Service Unavailable", "code": "unavailable",
-                           "message": f"the node holding this sandbox ({base_url}) is unreachable: {e}"})
+            handler.write(reason)
+        elif mode["stream"]:  # the stream's own last word: an error event, as the owner itself would send
+            handler.write(f"event: error\ndata: {json.dumps(reason)}\n\n")
+        handler.finish()
+        return
+    if mode["hold"] or held:
+        if mode["hold"]:
+            send_headers()
+        handler.write(b"".join(held))
     handler.finish()
 
 

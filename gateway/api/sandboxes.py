@@ -13,6 +13,7 @@ from typing import Dict, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import BadRequest
+from ..core.executions import ID_PATTERN
 from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
@@ -24,6 +25,9 @@ class ExecuteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
     timeout: float = Field(60, gt=0, le=3600)
+    id: Optional[str] = Field(None, pattern=ID_PATTERN, description=(
+        "an execution id (1-64 of A-Z a-z 0-9 . _ : -): a repeat of it joins the running execution or gets "
+        "its stored result; the code runs at most once"))
 
 
 class ForkRequest(BaseModel):
@@ -98,7 +102,8 @@ class ExecuteHandler(APIHandler):
         self.service.get(sid, self.who)
         stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
         if not stream:
-            return self.reply(await self.service.execute(sid, body.code, body.timeout, who=self.who))
+            return self.reply(await self.service.execute(sid, body.code, body.timeout, who=self.who,
+                                                         execution_id=body.id))
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
 
@@ -108,7 +113,7 @@ class ExecuteHandler(APIHandler):
 
         try:
             result = await self.service.execute(sid, body.code, body.timeout, on_output=lambda o: emit("output", o),
-                                                who=self.who)
+                                                who=self.who, execution_id=body.id)
         except Exception as e:  # headers are sent: the error travels as an event
             await emit("error", {"message": str(e) or type(e).__name__, "code": getattr(e, "code", "internal")})
         else:

@@ -36,6 +36,7 @@ from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
 from .errors import Conflict, LimitReached, Unavailable
+from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
 from .record import SandboxRecord
@@ -108,6 +109,7 @@ class Sandbox:
         self.fanout = FanOut(record.id, s.replay_messages)
         self.held = Held(s.held_messages, s.held_mb << 20)
         self.pending: Dict[str, dict] = {}  # execute_request headers awaiting their reply
+        self.executions = Executions()  # recent execute ids: a retry runs nothing twice
         self._sent_at: Dict[str, float] = {}  # when each of those arrived (sandgate_execute_seconds)
         self.activity = "starting"  # the kernel's own execution_state: starting, idle, busy, restarting
         self.last_activity = utcnow()
@@ -528,7 +530,8 @@ class Sandbox:
             files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner)  # stopped: same instant as memory
             cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
                             state_bytes=dir_size(image), files=files,
-                            files_bytes=sum(f.size for f in files.values()), new_bytes=new)
+                            files_bytes=sum(f.size for f in files.values()), new_bytes=new,
+                            executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
             await self._carry_on(image, consume=True)  # the sandbox carries on regardless
@@ -612,6 +615,7 @@ class Sandbox:
             image, consume = Path(r.paused_image), True
         elif r.resume_from:
             image, consume = self.manager.checkpoints.state_dir(r.resume_from), False
+            self._recall_executions(r.resume_from)
         else:
             await self.to(State.DEAD, reason="paused without a running-state image")
             raise Unavailable(self.record.reason)
@@ -726,6 +730,9 @@ class Sandbox:
             raise self._conflict()
         self.last_activity = utcnow()
         if header.get("msg_type") == "execute_request":
+            if header.get("msg_id") and not self.executions.accept(header["msg_id"]):
+                log.info("sandbox %s: execute_request %s already accepted; not run again", self.id, header["msg_id"])
+                return
             self.pending[header.get("msg_id")] = header
             self._sent_at[header.get("msg_id")] = time.monotonic()
         if st == State.RUNNING and self.link:
@@ -736,6 +743,7 @@ class Sandbox:
             return
         if not self.held.add(channel, parts):
             self.pending.pop(header.get("msg_id"), None)
+            self.executions.forget(header.get("msg_id") or "")
             why = (f"the sandbox is {st} and {len(self.held)} messages ({self.held.bytes >> 10} KiB) already wait "
                    f"for it (at most {self.held.max_count} and {self.held.max_bytes >> 20} MiB)")
             log.warning("sandbox %s: refused a %s: %s", self.id, header.get("msg_type"), why)
@@ -819,9 +827,28 @@ class Sandbox:
         self.fanout.detach(conn)
 
     # -- one cell, for the sandbox API ----------------------------------------
+    def _recall_executions(self, cid: str) -> None:
+        """The ids a checkpoint knew of (another node's, after a take-over) join this node's."""
+        try:
+            record = self.manager.checkpoints.get(cid).executions
+        except Exception as e:  # the ids are a courtesy; the restore itself decides
+            log.warning("sandbox %s: execution ids of checkpoint %s not read: %s", self.id, cid, e)
+            return
+        for k, v in Executions.from_record(record).finished.items():
+            if k not in self.executions.finished:
+                self.executions.remember(k, v)
+
     async def execute(self, code: str, timeout: float,
-                      on_output: Optional[Callable[[dict], Awaitable[None]]] = None) -> dict:
-        """Run one cell and return its outputs; on timeout the cell is interrupted."""
+                      on_output: Optional[Callable[[dict], Awaitable[None]]] = None,
+                      execution_id: Optional[str] = None) -> dict:
+        """Run one cell and return its outputs; on timeout the cell is interrupted. With an
+        ``execution_id`` the cell runs at most once: a repeat joins it or gets its result."""
+        if self.state in states.WAKES:
+            await self.resume()  # first: a take-over's resume brings its checkpoint's ids along
+        return await self.executions.run(execution_id, lambda emit: self._execute(code, timeout, emit), on_output)
+
+    async def _execute(self, code: str, timeout: float,
+                       on_output: Optional[Callable[[dict], Awaitable[None]]] = None) -> dict:
         if self.state in states.WAKES:
             await self.resume()  # a failure to resume is the caller's error, not a cell's
         session, msg_id = uuid.uuid4().hex, uuid.uuid4().hex

@@ -403,8 +403,9 @@ class SandboxService:
         await self.get(sandbox_id, who).interrupt()
 
     async def execute(self, sandbox_id: str, code: str, timeout: float,
-                      on_output: Optional[OutputCallback] = None, who: Principal = ADMIN) -> dict:
-        return await self.get(sandbox_id, who).execute(code, timeout, on_output)
+                      on_output: Optional[OutputCallback] = None, who: Principal = ADMIN,
+                      execution_id: Optional[str] = None) -> dict:
+        return await self.get(sandbox_id, who).execute(code, timeout, on_output, execution_id)
 
     # -- files --------------------------------------------------------------------------
     async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN):
