@@ -232,6 +232,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.fleet:
+        from sandgate_bench.fleet import run as run_fleet
+
+        return run_fleet(args)
     if args.egress:
         from sandgate_bench.egress import run as run_egress
 
@@ -349,6 +353,20 @@ def main(argv=None) -> int:
                         "and 16 connections); the 1+1 round trip with egress on and off")
     b.add_argument("--egress-seconds", type=float, default=2.0, metavar="S",
                    help="with --egress: seconds per measurement (default 2)")
+    b.add_argument("--fleet", action="store_true",
+                   help="a fleet instead: redis-server and three nodes on loopback; the 1+1 round trip through a "
+                        "second node vs direct, routing lookups/s, a load run with p50/p99 and lost messages, "
+                        "and kill -9 of a node to its sandboxes answering elsewhere (--runs rounds)")
+    b.add_argument("--fleet-kernels", type=int, default=30, metavar="N",
+                   help="with --fleet: kernels in the load run (default 30)")
+    b.add_argument("--fleet-seconds", type=float, default=30.0, metavar="S",
+                   help="with --fleet: length of the load run (default 30)")
+    b.add_argument("--fleet-cells", type=int, default=1000, metavar="N",
+                   help="with --fleet: at most N cells per kernel in the load run (default 1000)")
+    b.add_argument("--fleet-lookup-seconds", type=float, default=3.0, metavar="S",
+                   help="with --fleet: seconds per routing-lookup measurement (default 3)")
+    b.add_argument("--fleet-death", type=int, default=3, metavar="N",
+                   help="with --fleet: sandboxes on the node that is killed (default 3)")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
 
