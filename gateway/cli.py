@@ -121,6 +121,17 @@ def cmd_image(args) -> int:
     from sandgate_images import rootfs as images
 
     settings = Settings.load(home=args.home)
+    if args.action == "runsc":
+        from sandgate_images import runsc
+
+        try:
+            path = runsc.fetch(settings.home, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        except runsc.FetchError as e:
+            print(f"sandgate: {e}", file=sys.stderr)
+            return 1
+        print(f"runsc {(path.parent / 'VERSION').read_text().strip()} at {path}; use it with:\n"
+              f"export SANDGATE_RUNSC={path}")
+        return 0
     if args.action == "build":
         try:
             path = images.build(settings.home)
@@ -313,8 +324,9 @@ def main(argv=None) -> int:
     s.add_argument("--node-id", help="this gateway's name in the fleet (SANDGATE_NODE_ID, default: the host name)")
     s.set_defaults(fn=cmd_serve)
 
-    i = sub.add_parser("image", help="build or show the sandbox image")
-    i.add_argument("action", choices=["build", "show"])
+    i = sub.add_parser("image", help="build or show the sandbox image; `runsc` fetches Debian 13's runsc, "
+                                     "which checkpoints in place (docs/checkpoints.md)")
+    i.add_argument("action", choices=["build", "show", "runsc"])
     i.add_argument("--vm", action="store_true", help="also build the microVM kernel, initramfs and root disk")
     i.add_argument("--home")
     i.set_defaults(fn=cmd_image)

@@ -196,7 +196,9 @@ def gateway(home, tmp_path_factory):
     gw.stop()
 
 
-DRIVERS = ["gvisor", "qemu"]
+# gVisor twice: the system's runsc (Debian 12's stops a sandbox to checkpoint it) and Debian 13's,
+# fetched under the home as `sandgate image runsc` does, which checkpoints in place.
+DRIVERS = ["gvisor", "gvisor-runsc-trixie", "qemu"]
 
 
 @pytest.fixture(scope="module", params=DRIVERS)
@@ -206,8 +208,14 @@ def driver_gw(request, home, tmp_path_factory):
         from sandgate_images import vm
 
         vm.build(home)
-    g = Gateway(home, tmp_path_factory.mktemp(request.param), env={"SANDGATE_WARM_START": "false"})
-    g.driver = request.param
+    env = {"SANDGATE_WARM_START": "false"}
+    if request.param == "gvisor-runsc-trixie":
+        from sandgate_images import runsc
+
+        env["SANDGATE_RUNSC"] = str(runsc.fetch(home))
+    g = Gateway(home, tmp_path_factory.mktemp(request.param), env=env)
+    g.driver = request.param.split("-")[0]
+    g.in_place = request.param == "gvisor-runsc-trixie"  # its checkpoints leave the sandbox running
     yield g
     g.stop()
 

@@ -119,6 +119,21 @@ def test_checkpoint_fork_41_42_141_41(gw, sb):
         assert host_processes(s) == []
 
 
+def test_a_checkpoint_in_place_keeps_the_runtime(gw, sb):
+    # A checkpoint either leaves the sandbox where it was (a runsc with --leave-running) or
+    # stops it and restores it from the image (a new runtime); both carry on the same state.
+    ex(gw, sb, "import threading, time\nticks = [0]\ndef tick():\n    while True:\n        ticks[0] += 1; time.sleep(0.01)\n"
+               "threading.Thread(target=tick, daemon=True).start(); y = 7")
+    before = gw.request("GET", f"/api/sandboxes/{sb}").json()["runtime_id"]
+    r = gw.request("POST", f"/api/sandboxes/{sb}/checkpoints", {"name": "in-place"})
+    assert r.status == 201, r.body
+    after = gw.request("GET", f"/api/sandboxes/{sb}").json()
+    assert after["state"] == "running" and (after["runtime_id"] == before) == gw.in_place, (before, after)
+    assert ex(gw, sb, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)")["stdout"] == "7 True\n"
+    assert ("checkpoint %s in" % r.json()["id"]) in gw.log_text()
+    assert (f"checkpoint {r.json()['id']} in place" in gw.log_text()) == gw.in_place
+
+
 def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
     ex(gw, sb, "f = open('log.txt', 'w'); f.write('before\\n'); f.flush()")
     r = gw.request("POST", f"/api/sandboxes/{sb}/pause", {})

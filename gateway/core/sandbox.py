@@ -417,9 +417,9 @@ class Sandbox:
                 await self.to(State.DEAD, reason=why)
                 self.fanout.broadcast("iopub", status_message("dead"))
 
-    async def _stop_into(self, image_dir: Path) -> None:
-        """Checkpoint the running runtime into ``image_dir``; it is stopped after.
-        If the driver fails first, the runtime keeps running untouched."""
+    async def _ready_for_image(self) -> Optional[dict]:
+        """What every checkpoint needs first; returns the egress listener's
+        arguments, for opening it again once the image is taken."""
         # A barrier: the agent reads its stream in order, so once it answers, every
         # frame sent before is inside the sandbox (and so in the image), not in a
         # host pipe that the checkpoint would leave behind.
@@ -446,6 +446,38 @@ class Sandbox:
                 await self.link.request("sync", timeout=60)
             except AgentError as e:  # the memory image still holds what was not flushed
                 log.warning("sandbox %s: the guest could not flush its disks before the checkpoint: %s", self.id, e)
+        return egress
+
+    async def _pause_into(self, image_dir: Path) -> Optional[dict]:
+        """Checkpoint the running runtime into ``image_dir``, leaving it paused where
+        it was (``_unpause`` ends that); if that fails, it runs on untouched."""
+        egress = await self._ready_for_image()
+        try:
+            await self.driver.checkpoint_in_place(self.runtime, image_dir)
+        except BaseException as e:
+            await self._reopen_egress(egress)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+        return egress
+
+    async def _unpause(self, image: Path, egress: Optional[dict], after: str) -> None:
+        """From the pause ``_pause_into`` left: running again, the egress listener
+        open; if the runtime cannot go on, a restore from the image just taken."""
+        try:
+            await self.driver.unpause(self.runtime)
+        except SandboxError as e:
+            log.warning("sandbox %s: could not carry on in place (%s); restoring it from its image", self.id, e)
+            await self.teardown()
+            await self._carry_on(image, consume=False, after=after)
+            return
+        await self._reopen_egress(egress)
+        await self.to(State.RUNNING, reason=None)
+
+    async def _stop_into(self, image_dir: Path) -> None:
+        """Checkpoint the running runtime into ``image_dir``; it is stopped after.
+        If the driver fails first, the runtime keeps running untouched."""
+        egress = await self._ready_for_image()
         if self._watch:
             self._watch.cancel()
             self._watch = None
@@ -520,9 +552,17 @@ class Sandbox:
         cid, _ = store.new_dir()
         image = store.state_dir(cid)
         t0 = time.monotonic()
+        # In place where the driver can (the sandbox waits paused, then goes on), else
+        # stopped by the checkpoint and restored from it.
+        in_place, egress = resume and self.driver.checkpoints_in_place, None
         try:
-            await self._stop(image)
+            if in_place:
+                egress = await self._pause_into(image)
+            else:
+                await self._stop(image)
         except BaseException:
+            if in_place and self.state == State.CHECKPOINTING:
+                await self.to(State.RUNNING)
             store.discard(cid)
             raise
         try:
@@ -534,7 +574,10 @@ class Sandbox:
                             executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
-            await self._carry_on(image, consume=True)  # the sandbox carries on regardless
+            if in_place:  # the sandbox carries on regardless
+                await self._unpause(image, egress, after="")
+            else:
+                await self._carry_on(image, consume=True)
             store.discard(cid)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -542,12 +585,14 @@ class Sandbox:
                 raise LimitReached(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
-        if resume:
+        if in_place:
+            await self._unpause(image, egress, after=f"checkpoint {cid} was saved, but")
+        elif resume:
             await self._carry_on(image, consume=False, after=f"checkpoint {cid} was saved, but")
         else:
             await self.to(State.DEAD, reason="stopped after its checkpoint")
-        log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
-                 time.monotonic() - t0, cp.state_bytes, new)
+        log.info("sandbox %s: checkpoint %s%s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
+                 " in place" if in_place else "", time.monotonic() - t0, cp.state_bytes, new)
         metrics.CHECKPOINTS.labels(self.record.driver).inc()
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "state").inc(cp.state_bytes)
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "files").inc(new)

@@ -229,6 +229,20 @@ class Driver(abc.ABC):
         moves that disk into ``image_dir`` instead, leaving no file behind."""
         raise SandboxError(f"the {self.name} driver cannot checkpoint")
 
+    # Whether checkpoint_in_place() works here: a checkpoint that leaves the sandbox where
+    # it was, so a checkpoint or fork costs the sandbox no restore.
+    checkpoints_in_place: bool = False
+
+    async def checkpoint_in_place(self, sandbox: Sandbox, image_dir: Path) -> None:
+        """Like checkpoint(), but the sandbox is left paused where it was (memory and
+        processes kept), not stopped: the caller snapshots the workspace, then calls
+        ``unpause``. If it fails, the sandbox runs on untouched."""
+        raise SandboxError(f"the {self.name} driver cannot checkpoint in place")
+
+    async def unpause(self, sandbox: Sandbox) -> None:
+        """End the pause checkpoint_in_place() left the sandbox in."""
+        raise SandboxError(f"the {self.name} driver cannot checkpoint in place")
+
     async def freeze(self, sandbox: Sandbox) -> None:
         """Stop the sandbox where it is, memory and processes kept: a pause
         that ``thaw`` ends in milliseconds (a checkpoint pause frees memory,

@@ -11,15 +11,23 @@ the OCI `linux.resources` block, which runsc enforces with cgroups.
 
 The ptrace platform is the default because it runs everywhere, nested VMs
 included; `SANDGATE_RUNSC_PLATFORM=systrap|kvm` picks another where it works.
+
+A runsc that has `checkpoint --leave-running` (Debian 13's 0.0~20240729 has,
+Debian 12's 0.0~20221219 has not) checkpoints in place: the sandbox is paused,
+its image written, its files snapshotted, and it carries on, instead of being
+stopped by the checkpoint and restored from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +63,18 @@ BASE_ENV = {
 
 def runsc_path() -> Optional[str]:
     return os.environ.get("SANDGATE_RUNSC") or shutil.which("runsc")
+
+
+IN_PLACE_SINCE = 20240729  # the oldest runsc seen to checkpoint in place (see checkpoints_in_place)
+
+
+def _run_quietly(argv: List[str]) -> str:
+    """stdout and stderr of a short command; "" if it cannot run."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return p.stdout + p.stderr
 
 
 def runsc_error(out: str) -> str:
@@ -282,18 +302,66 @@ class GVisorDriver(Driver):
                 continue
         return None
 
-    async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
+    @functools.cached_property
+    def _checkpoint_flags(self) -> str:
+        """`runsc checkpoint --help`: which options this runsc has (asked once)."""
+        return _run_quietly([runsc_path() or "runsc", "checkpoint", "--help"])
+
+    @functools.cached_property
+    def runsc_date(self) -> int:
+        """The release date in `runsc --version` (0.0~20221219.0, release-20240729.0), 0 if none."""
+        m = re.search(r"(20\d{6})", _run_quietly([runsc_path() or "runsc", "--version"]))
+        return int(m.group(1)) if m else 0
+
+    @property
+    def checkpoints_in_place(self) -> bool:
+        # Debian 12's runsc (20221219) lists --leave-running too, but its sandbox is gone after
+        # such a checkpoint; Debian 13's (20240729) pauses it and carries on, as tested here.
+        if os.environ.get("SANDGATE_CHECKPOINT_IN_PLACE", "auto").lower() in ("0", "false", "no", "off"):
+            return False
+        return self.runsc_date >= IN_PLACE_SINCE and "-leave-running" in self._checkpoint_flags
+
+    def _make_room(self, sandbox: Sandbox, image_dir: Path) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
-        # This runsc stops the sandbox even when writing the image fails, so a
+        # runsc stops the sandbox even when writing the image fails, so a
         # full disk would kill it: refuse up front unless the image fits.
-        # The image is at most the sandbox's memory in use (usually a fifth).
+        # The image is at most the sandbox's memory in use (usually a fifth
+        # compressed, all of it with SANDGATE_RUNSC_COMPRESSION=none).
         need = (self.memory_in_use(sandbox.id) or 256 << 20) + (16 << 20)
         st = os.statvfs(image_dir)
         free = st.f_bavail * st.f_frsize
         if free < need:
             raise SandboxError(f"not enough disk space for a checkpoint: {free >> 20} MB free in "
                                f"{image_dir.parent}, up to {need >> 20} MB needed")
-        code, out = await self.runsc("checkpoint", "--image-path", str(image_dir), sandbox.id)
+
+    def _image_args(self, image_dir: Path) -> List[str]:
+        args = ["--image-path", str(image_dir)]
+        compression = os.environ.get("SANDGATE_RUNSC_COMPRESSION")
+        if compression and "-compression" in self._checkpoint_flags:
+            args.append(f"--compression={compression}")
+        return args
+
+    async def checkpoint_in_place(self, sandbox: Sandbox, image_dir: Path) -> None:
+        self._make_room(sandbox, image_dir)
+        # Paused first, so the sandbox stays where its image has it while the caller
+        # snapshots the workspace: memory and files of one instant.
+        code, out = await self.runsc("pause", sandbox.id)
+        if code != 0:
+            raise SandboxError(f"runsc pause failed: {runsc_error(out)}")
+        code, out = await self.runsc("checkpoint", "--leave-running", *self._image_args(image_dir), sandbox.id)
+        if code != 0:
+            if sandbox.running:
+                await self.unpause(sandbox)
+            raise SandboxError(f"runsc checkpoint failed: {runsc_error(out)}")
+
+    async def unpause(self, sandbox: Sandbox) -> None:
+        code, out = await self.runsc("resume", sandbox.id)
+        if code != 0:
+            raise SandboxError(f"runsc resume failed: {runsc_error(out)}")
+
+    async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
+        self._make_room(sandbox, image_dir)
+        code, out = await self.runsc("checkpoint", *self._image_args(image_dir), sandbox.id)
         if code != 0:
             raise SandboxError(f"runsc checkpoint failed: {runsc_error(out)}")
         try:
