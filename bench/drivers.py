@@ -10,7 +10,13 @@ driver and round, over the sandbox API:
 * restore: fork from that checkpoint to the fork's first ``1+1`` result, and
   the fork must see ``x == 41``;
 * pause, and the ``1+1`` that resumes a paused sandbox;
-* the same with a pause in memory (``{"mode": "memory"}``: frozen, not saved).
+* the same with a pause in memory (``{"mode": "memory"}``: frozen, not saved);
+* fork from now (a checkpoint and its restore) to the fork's first ``1+1``;
+* the ``1+1`` round trip over the sandbox API (median of ``RTT_RUNS``).
+
+``--runsc A,B`` compares runsc binaries instead (gvisor only): one gateway per
+binary (``SANDGATE_RUNSC``), ``trixie`` naming the one `sandgate image runsc`
+fetches; a runsc that checkpoints in place shows it in the checkpoint and fork rows.
 
 Medians over ``REPS`` rounds; the ratio column divides by the first driver.
 Under TCG (no usable KVM) qemu numbers are an emulation floor, not KVM's.
@@ -33,6 +39,7 @@ from typing import Dict, List
 from .kernels import IDLE_WAIT, BenchError, SandgateTarget, _default_home, cell_result, mib, progress, runtime_memory
 
 REPS = 3
+RTT_RUNS = 20
 METRICS = [  # key, label, format
     ("boot_s", "boot to first 1+1 (s)", "{:.2f}"),
     ("rss", "idle sandbox RSS, host processes (MiB)", "{:.1f}"),
@@ -44,6 +51,8 @@ METRICS = [  # key, label, format
     ("resume_s", "1+1 on a paused sandbox (s)", "{:.2f}"),
     ("freeze_s", "pause in memory (s)", "{:.3f}"),
     ("thaw_s", "1+1 on a sandbox paused in memory (s)", "{:.3f}"),
+    ("fork_now_s", "fork from now to first 1+1 (s)", "{:.2f}"),
+    ("rtt_ms", "1+1 round trip, sandbox API, p50 (ms)", "{:.1f}"),
 ]
 IN_MIB = {"rss", "pss", "state_bytes"}
 
@@ -54,7 +63,7 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def one_round(t: SandgateTarget, driver: str) -> Dict[str, float]:
+def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
     m: Dict[str, float] = {}
 
     def first_result(sid: str) -> None:
@@ -89,12 +98,24 @@ def one_round(t: SandgateTarget, driver: str) -> Dict[str, float]:
     if cell_result(t.run_cell(fid, "x")) != "41":
         raise BenchError(f"{driver}: the fork of {sid} does not see x = 41")
     t.stop_kernel(fid)
+
+    def fork_now() -> str:
+        fid = t.api("POST", f"/api/sandboxes/{sid}/fork", {}, expect=(201,))["id"]
+        t.kernels[fid] = None
+        t.started_ids.append(fid)
+        first_result(fid)
+        return fid
+
+    fid, m["fork_now_s"] = timed(fork_now)
+    t.stop_kernel(fid)
+    rtts = [timed(lambda: first_result(sid))[1] for _ in range(RTT_RUNS)]
+    m["rtt_ms"] = statistics.median(rtts) * 1000
     _, m["pause_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {}))
     _, m["resume_s"] = timed(lambda: first_result(sid))
     _, m["freeze_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {"mode": "memory"}))
     _, m["thaw_s"] = timed(lambda: first_result(sid))
     t.stop_kernel(sid)
-    progress(f"{driver}: " + ", ".join(f"{k} {mib(v) if k in IN_MIB else v:.2f}" for k, v in m.items()
+    progress(f"{label}: " + ", ".join(f"{k} {mib(v) if k in IN_MIB else v:.2f}" for k, v in m.items()
                                        if v is not None))
     return m
 
@@ -118,6 +139,23 @@ def table(drivers: List[str], summary: Dict[str, Dict[str, float]]) -> str:
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
+def runsc_columns(spec: str, home: Path) -> Dict[str, str]:
+    """``--runsc a,b``: label -> binary, each label naming the runsc's version."""
+    from sandgate.drivers.gvisor import _run_quietly
+    from sandgate_images import runsc
+
+    columns = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        path = str(runsc.fetch(home, progress=progress)) if item == "trixie" else (shutil.which(item) or item)
+        version = _run_quietly([path, "--version"]).split("\n")[0].replace("runsc version ", "")
+        if not version:
+            raise BenchError(f"{item}: not a runsc that runs here")
+        columns[f"runsc {version}"] = path
+    if len(columns) < 1:
+        raise BenchError("--runsc names no runsc")
+    return columns
+
+
 def run(args) -> int:
     from sandgate.drivers import DRIVERS
 
@@ -126,6 +164,9 @@ def run(args) -> int:
     if not drivers or unknown:
         print(f"sandgate bench: unknown driver(s) {', '.join(unknown) or '(none given)'}; "
               f"known: {', '.join(DRIVERS)}", file=sys.stderr)
+        return 2
+    if args.runsc and drivers != ["gvisor"]:
+        print("sandgate bench: --runsc compares gvisor only (--drivers gvisor)", file=sys.stderr)
         return 2
     for d in drivers:
         ok, why = DRIVERS[d].probe()
@@ -139,23 +180,38 @@ def run(args) -> int:
     if any(d != "gvisor" for d in drivers):
         vm.build(home)
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-drivers-"))
-    t = SandgateTarget(logdir, home, "sandgate-drivers", {"SANDGATE_WARM_START": "false"})
-    raw: Dict[str, List[Dict[str, float]]] = {d: [] for d in drivers}
-    failed = None
+    env = {"SANDGATE_WARM_START": "false"}
     try:
-        progress(f"starting a gateway on port {t.port} (log {t.log_path})")
-        t.setup()
+        # A column is (gateway, driver): one gateway for every driver, or one per runsc.
+        if args.runsc:
+            columns = {label: (SandgateTarget(logdir, home, f"sandgate-{i}", {**env, "SANDGATE_RUNSC": path}), "gvisor")
+                       for i, (label, path) in enumerate(runsc_columns(args.runsc, home).items())}
+        else:
+            t = SandgateTarget(logdir, home, "sandgate-drivers", env)
+            columns = {d: (t, d) for d in drivers}
+    except BenchError as e:
+        print(f"sandgate bench: {e}", file=sys.stderr)
+        return 1
+    names = list(columns)
+    targets = list({id(t): t for t, _ in columns.values()}.values())
+    raw: Dict[str, List[Dict[str, float]]] = {c: [] for c in names}
+    failed, log = None, ""
+    try:
+        for t in targets:
+            progress(f"starting a gateway on port {t.port} (log {t.log_path})")
+            t.setup()
         for rep in range(REPS):
-            for d in drivers[rep % len(drivers):] + drivers[:rep % len(drivers)]:
-                progress(f"round {rep + 1}/{REPS}: {d}")
-                raw[d].append(one_round(t, d))
+            for c in names[rep % len(names):] + names[:rep % len(names)]:
+                progress(f"round {rep + 1}/{REPS}: {c}")
+                raw[c].append(one_round(*columns[c], c))
     except KeyboardInterrupt:
         failed = "interrupted"
     except BenchError as e:
         failed = str(e)
     finally:
-        log = t.log_path.read_text(errors="replace") if t.log_path.exists() else ""
-        t.teardown()
+        for t in targets:
+            log += t.log_path.read_text(errors="replace") if t.log_path.exists() else ""
+            t.teardown()
     if failed:
         print(f"sandgate bench: {failed}\n  gateway log: {logdir}", file=sys.stderr)
         return 130 if failed == "interrupted" else 1
@@ -167,11 +223,11 @@ def run(args) -> int:
     report = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "host": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
                        "platform": platform.platform(), "qemu_accel": accel},
-              "config": {"reps": REPS, "idle_wait_s": IDLE_WAIT, "drivers": drivers},
+              "config": {"reps": REPS, "idle_wait_s": IDLE_WAIT, "columns": names},
               "summary": summary, "raw": raw}
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
-    print(table(drivers, summary))
+    print(table(names, summary))
     if accel:
         print(f"\nqemu acceleration: {accel}")
     print(f"raw numbers: {args.output}")

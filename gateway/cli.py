@@ -353,6 +353,8 @@ def main(argv=None) -> int:
     b.add_argument("--output", default="bench.json")
     b.add_argument("--drivers", help="compare sandbox drivers instead, e.g. gvisor,qemu (boot, memory, "
                                      "checkpoint, restore, pause, resume)")
+    b.add_argument("--runsc", help="with --drivers gvisor: compare runsc binaries, one gateway each, e.g. "
+                                   "runsc,trixie (trixie: the one `sandgate image runsc` fetches)")
     b.add_argument("--restart", type=int, metavar="N",
                    help="a gateway restart with N sandboxes instead: SIGTERM to exit, start to each one's first "
                         "result, the 1+1 round trip before and after")

@@ -132,6 +132,14 @@ def test_a_checkpoint_in_place_keeps_the_runtime(gw, sb):
     assert ex(gw, sb, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)")["stdout"] == "7 True\n"
     assert ("checkpoint %s in" % r.json()["id"]) in gw.log_text()
     assert (f"checkpoint {r.json()['id']} in place" in gw.log_text()) == gw.in_place
+    # A fork (a restored sandbox) checkpoints the same way.
+    fork = gw.request("POST", f"/api/sandboxes/{sb}/fork", {})
+    assert fork.status == 201, fork.body
+    fid, before = fork.json()["id"], fork.json()["runtime_id"]
+    assert gw.request("POST", f"/api/sandboxes/{fid}/checkpoints", {}).status == 201
+    assert (gw.request("GET", f"/api/sandboxes/{fid}").json()["runtime_id"] == before) == gw.in_place
+    assert ex(gw, fid, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)")["stdout"] == "7 True\n"
+    assert gw.request("DELETE", f"/api/sandboxes/{fid}").status == 204
 
 
 def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
