@@ -259,6 +259,10 @@ def cmd_bench(args) -> int:
         from sandgate_bench.e2b import run as run_e2b
 
         return run_e2b(args)
+    if args.density:
+        from sandgate_bench.density import run as run_density
+
+        return run_density(args)
     if args.drivers:
         from sandgate_bench.drivers import run as run_drivers
 
@@ -355,6 +359,9 @@ def main(argv=None) -> int:
                                      "checkpoint, restore, pause, resume)")
     b.add_argument("--runsc", help="with --drivers gvisor: compare runsc binaries, one gateway each, e.g. "
                                    "runsc,trixie (trixie: the one `sandgate image runsc` fetches)")
+    b.add_argument("--density", type=int, metavar="N",
+                   help="host memory for N idle sandboxes measured together instead, beside N idle local "
+                        "ipykernels; then all paused to disk (processes and disk left)")
     b.add_argument("--restart", type=int, metavar="N",
                    help="a gateway restart with N sandboxes instead: SIGTERM to exit, start to each one's first "
                         "result, the 1+1 round trip before and after")
