@@ -167,32 +167,36 @@ def lookups(redis_url: str, sid: str, seconds: float, concurrency: List[int]) ->
 
 # -- load ------------------------------------------------------------------------
 
-def checked_cell(k: WSKernel, i: int) -> Optional[float]:
-    """print(i) with its reply, stream and idle all matched by msg_id; the round
-    trip, or None if any of the three was missing by CELL_TIMEOUT (lost)."""
+def checked_cell(k: WSKernel, i: int) -> tuple:
+    """print(i) with its reply, stream and idle all matched by msg_id: (the round trip, None),
+    or (None, what was missing or wrong) when lost. The stream's text is the cell's stream
+    messages joined: a loaded kernel may flush print's "i" and its "\\n" as two messages."""
     t0 = time.perf_counter()
     mid = k.send("execute_request", {"code": f"print({i})", "silent": False, "store_history": True,
                                      "user_expressions": {}, "allow_stdin": False})
     deadline = time.monotonic() + CELL_TIMEOUT
-    reply = stream = idle = False
-    while not (reply and stream and idle):
+    reply, text, idle = None, "", False
+    while not (reply and idle):  # ipykernel flushes a cell's stdout before its idle status
         left = deadline - time.monotonic()
-        if left <= 0:
-            return None
         try:
+            if left <= 0:
+                raise k.websocket.WebSocketTimeoutException()
             m = k.recv(left)
         except k.websocket.WebSocketTimeoutException:
-            continue
+            return None, (f"cell {i} (msg_id {mid}) incomplete after {CELL_TIMEOUT:g} s: execute_reply "
+                          f"{reply or 'missing'}, stream {text!r}, idle status {'seen' if idle else 'missing'}")
         if m.get("parent_header", {}).get("msg_id") != mid:
             continue
         t = m.get("msg_type") or m["header"]["msg_type"]
         if t == "execute_reply":
-            reply = m["content"].get("status") == "ok"
-        elif t == "stream":
-            stream = m["content"].get("text") == f"{i}\n"
+            reply = m["content"].get("status")
+        elif t == "stream" and m["content"].get("name") == "stdout":
+            text += m["content"].get("text", "")
         elif t == "status" and m["content"].get("execution_state") == "idle":
             idle = True
-    return time.perf_counter() - t0
+    if reply != "ok" or text != f"{i}\n":
+        return None, f"cell {i} (msg_id {mid}): execute_reply {reply}, stream {text!r} (expected {f'{i}'!r} and a newline)"
+    return time.perf_counter() - t0, None
 
 
 def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int], seconds: float,
@@ -218,10 +222,11 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
             for i in range(max_cells):
                 if time.monotonic() >= end[0]:
                     break
-                got = checked_cell(k, i)
+                got, missing = checked_cell(k, i)
                 if got is None:
                     with lock:
                         lost[0] += 1
+                        errors.append(f"{k.id}: {missing}")
                 else:
                     mine.append(got)
         except Exception as e:  # a connection dropped: its cell is lost, and says why
@@ -237,9 +242,13 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
     t0 = time.monotonic()
     end[0] = t0 + seconds
     start.set()
+    bound = t0 + seconds + CELL_TIMEOUT + 30  # each recv is bounded by the clock: this is a backstop
     for t in threads:
-        t.join(seconds + CELL_TIMEOUT + 30)
+        t.join(max(0.0, bound - time.monotonic()))
     wall = time.monotonic() - t0
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:  # closing their sockets under them would be read as their cells' errors
+        raise BenchError(f"load: {stuck} client threads still running {wall:.0f} s after the start")
     for k in clients:
         k.close()
     return {"kernels": len(kernels), "through_other_node": via_other, "seconds": wall, "cells": len(times),
