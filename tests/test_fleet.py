@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import websocket
 
 from conftest import Gateway, wait_for
 from test_store import RedisServer
@@ -92,6 +93,9 @@ def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path, redis):
         b.proc.wait()
         at_once = a.request("GET", f"/api/sandboxes/{sid}")
         assert at_once.status == 503 and "unreachable" in at_once.json()["message"], at_once.body
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:  # an HTTP status, not a 101 and a close
+            a.connect(sid)
+        assert refused.value.status_code == 503, refused.value
         down = wait_for(lambda: (lambda r: r if "not answering" in r.json()["message"] else None)(
             a.request("GET", f"/api/sandboxes/{sid}")), timeout=30)
         assert down.status == 503 and "node node-b" in down.json()["message"], down.body
@@ -271,7 +275,8 @@ def _up(port: int) -> bool:
 
 
 def _raw_until_idle(client, mid: str, timeout: float = 120) -> list:
-    """Every frame (opcode, bytes) a kernel websocket gets until the idle status of ``mid``'s cell."""
+    """The frames (opcode, bytes) of ``mid``'s cell a kernel websocket gets, up to its idle status
+    (others, such as the replay of what the kernel said before anyone connected, are left out)."""
     import struct
     import time
 
@@ -281,7 +286,7 @@ def _raw_until_idle(client, mid: str, timeout: float = 120) -> list:
     while True:
         client.ws.settimeout(max(0.1, deadline - time.monotonic()))
         opcode, data = client.ws.recv_data()
-        frames.append((opcode, data))
+        frame = (opcode, data)
         if client.v1:
             n = struct.unpack_from("<Q", data)[0]
             offs = struct.unpack_from(f"<{n}Q", data, 8)
@@ -293,14 +298,17 @@ def _raw_until_idle(client, mid: str, timeout: float = 120) -> list:
                 data = data[offs[0]:offs[1]]
             msg = json.loads(data)
             header, parent, content = msg["header"], msg["parent_header"], msg["content"]
-        if (parent.get("msg_id") == mid and header["msg_type"] == "status"
-                and content.get("execution_state") == "idle"):
+        if parent.get("msg_id") != mid:
+            continue
+        frames.append(frame)
+        if header["msg_type"] == "status" and content.get("execution_state") == "idle":
             return frames
 
 
 def test_the_websocket_relay_passes_frames_on_byte_for_byte(home, tmp_path, redis):
     """Text and binary frames (a message with buffers), legacy and v1: a client through node A gets
-    exactly the frames, type and bytes, that a client on the owner node B gets."""
+    exactly the frames, type and bytes, that a client on the owner node B gets, from the moment its
+    handshake is done (the relay is attached at B before it completes)."""
     common = fleet_env(redis)
     a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
     b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b"})
