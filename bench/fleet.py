@@ -167,32 +167,39 @@ def lookups(redis_url: str, sid: str, seconds: float, concurrency: List[int]) ->
 
 # -- load ------------------------------------------------------------------------
 
-def checked_cell(k: WSKernel, i: int) -> Optional[float]:
-    """print(i) with its reply, stream and idle all matched by msg_id; the round
-    trip, or None if any of the three was missing by CELL_TIMEOUT (lost)."""
+def checked_cell(k: WSKernel, i: int) -> tuple:
+    """print(i) with its reply, stream and idle all matched by msg_id: (the round trip, None),
+    or (None, what was missing or wrong) when lost. The stream's text is the cell's stream
+    messages joined: a loaded kernel may flush print's "i" and its "\\n" as two messages."""
     t0 = time.perf_counter()
     mid = k.send("execute_request", {"code": f"print({i})", "silent": False, "store_history": True,
                                      "user_expressions": {}, "allow_stdin": False})
     deadline = time.monotonic() + CELL_TIMEOUT
-    reply = stream = idle = False
-    while not (reply and stream and idle):
+    reply, text, idle = None, "", False
+    pieces = 0
+    while not (reply and idle):  # ipykernel flushes a cell's stdout before its idle status
         left = deadline - time.monotonic()
-        if left <= 0:
-            return None
         try:
+            if left <= 0:
+                raise k.websocket.WebSocketTimeoutException()
             m = k.recv(left)
         except k.websocket.WebSocketTimeoutException:
-            continue
+            return None, (f"cell {i} (msg_id {mid}) incomplete after {CELL_TIMEOUT:g} s: execute_reply "
+                          f"{reply or 'missing'}, stream {text!r}, idle status {'seen' if idle else 'missing'}")
         if m.get("parent_header", {}).get("msg_id") != mid:
             continue
         t = m.get("msg_type") or m["header"]["msg_type"]
         if t == "execute_reply":
-            reply = m["content"].get("status") == "ok"
-        elif t == "stream":
-            stream = m["content"].get("text") == f"{i}\n"
+            reply = m["content"].get("status")
+        elif t == "stream" and m["content"].get("name") == "stdout":
+            text += m["content"].get("text", "")
+            pieces += 1
         elif t == "status" and m["content"].get("execution_state") == "idle":
             idle = True
-    return time.perf_counter() - t0
+    if reply != "ok" or text != f"{i}\n":
+        return None, f"cell {i} (msg_id {mid}): execute_reply {reply}, stream {text!r} (expected {f'{i}'!r} and a newline)"
+    k.split_streams += pieces > 1  # counted: how often the one-message reading was wrong
+    return time.perf_counter() - t0, None
 
 
 def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int], seconds: float,
@@ -208,6 +215,7 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
         node = nodes[owner[sid]] if n % 2 == 0 else nodes[(owner[sid] + 1) % len(nodes)]
         via_other += n % 2
         clients.append(WSKernel(node.port, node.token, sid))
+        clients[-1].split_streams = 0  # cells whose stdout came as more than one stream message
     start = threading.Event()
     end = [0.0]
 
@@ -218,10 +226,11 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
             for i in range(max_cells):
                 if time.monotonic() >= end[0]:
                     break
-                got = checked_cell(k, i)
+                got, missing = checked_cell(k, i)
                 if got is None:
                     with lock:
                         lost[0] += 1
+                        errors.append(f"{k.id}: {missing}")
                 else:
                     mine.append(got)
         except Exception as e:  # a connection dropped: its cell is lost, and says why
@@ -237,13 +246,18 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
     t0 = time.monotonic()
     end[0] = t0 + seconds
     start.set()
+    bound = t0 + seconds + CELL_TIMEOUT + 30  # each recv is bounded by the clock: this is a backstop
     for t in threads:
-        t.join(seconds + CELL_TIMEOUT + 30)
+        t.join(max(0.0, bound - time.monotonic()))
     wall = time.monotonic() - t0
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:  # closing their sockets under them would be read as their cells' errors
+        raise BenchError(f"load: {stuck} client threads still running {wall:.0f} s after the start")
     for k in clients:
         k.close()
     return {"kernels": len(kernels), "through_other_node": via_other, "seconds": wall, "cells": len(times),
-            "cells_per_s": len(times) / wall, "lost": lost[0], "errors": errors[:5], **stats(times)}
+            "cells_per_s": len(times) / wall, "lost": lost[0], "errors": errors[:5],
+            "split_stdout": sum(k.split_streams for k in clients), **stats(times)}
 
 
 # -- node death ------------------------------------------------------------------
@@ -351,7 +365,8 @@ def run(args) -> int:
         progress(f"placed: {spread}; driving them for {seconds:g} s")
         ld = load(nodes, kernels, owner, seconds, args.fleet_cells)
         ld["placement"] = spread
-        progress(f"load: {ld['cells']} cells, {ld['cells_per_s']:.1f}/s, lost {ld['lost']}")
+        progress(f"load: {ld['cells']} cells, {ld['cells_per_s']:.1f}/s, lost {ld['lost']}"
+                 + "".join(f"\n  {e}" for e in ld["errors"]))
         for sid_ in kernels:  # room on C for the death section
             call(a, "DELETE", f"/api/sandboxes/{sid_}", expect=(204, 404))
             made.remove(sid_)
@@ -433,6 +448,7 @@ def table(r: dict) -> str:
              f"{ld['cells']} cells, {ld['cells_per_s']:.1f} cells/s |",
              f"| load p50/p99 | {ld.get('p50_ms', 0):.1f} / {ld.get('p99_ms', 0):.1f} ms |",
              f"| lost messages | {ld['lost']} |",
+             f"| cells whose stdout came in more than one stream message (joined, not lost) | {ld['split_stdout']} |",
              f"| kill -9 to first restored sandbox answering (of {d['sandboxes']}) | {d['first_s']:.1f} s |",
              f"| kill -9 to all answering | {d['all_s']:.1f} s |"]
     return "\n".join(rows)

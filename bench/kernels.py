@@ -174,9 +174,24 @@ class WSKernel:
         return header["msg_id"]
 
     def recv(self, timeout: float) -> dict:
-        self.ws.settimeout(max(0.1, timeout))
-        opcode, data = self.ws.recv_data()
-        if opcode == self.websocket.ABNF.OPCODE_BINARY:  # legacy frame with buffers: JSON is chunk 0
+        """The next message, within ``timeout`` seconds by the clock: the gateway's pings (every 30 s)
+        are answered here but do not restart the wait, as they would restart websocket-client's socket
+        timeout. A close frame is an error naming its code and reason (its payload is no message)."""
+        abnf = self.websocket.ABNF
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.websocket.WebSocketTimeoutException(f"no message within {timeout:g} s")
+            self.ws.settimeout(left)
+            opcode, data = self.ws.recv_data(control_frame=True)
+            if opcode == abnf.OPCODE_CLOSE:
+                code = struct.unpack_from("!H", data)[0] if len(data) >= 2 else None
+                raise BenchError(f"kernel {self.id}: the gateway closed the websocket (code {code}"
+                                 f"{', ' + data[2:].decode(errors='replace') if len(data) > 2 else ''})")
+            if opcode not in (abnf.OPCODE_PING, abnf.OPCODE_PONG):
+                break
+        if opcode == abnf.OPCODE_BINARY:  # legacy frame with buffers: JSON is chunk 0
             n = struct.unpack_from("!I", data)[0]
             offsets = list(struct.unpack_from(f"!{n}I", data, 4)) + [len(data)]
             data = data[offsets[0]:offsets[1]]

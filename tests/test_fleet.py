@@ -4,10 +4,12 @@ in the home's SQLite file, and a restarted gateway reads them back from there.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+import websocket
 
 from conftest import Gateway, wait_for
 from test_store import RedisServer
@@ -91,6 +93,9 @@ def test_any_node_serves_a_sandbox_that_lives_on_another(home, tmp_path, redis):
         b.proc.wait()
         at_once = a.request("GET", f"/api/sandboxes/{sid}")
         assert at_once.status == 503 and "unreachable" in at_once.json()["message"], at_once.body
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:  # an HTTP status, not a 101 and a close
+            a.connect(sid)
+        assert refused.value.status_code == 503, refused.value
         down = wait_for(lambda: (lambda r: r if "not answering" in r.json()["message"] else None)(
             a.request("GET", f"/api/sandboxes/{sid}")), timeout=30)
         assert down.status == 503 and "node node-b" in down.json()["message"], down.body
@@ -267,3 +272,65 @@ def _up(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _raw_until_idle(client, mid: str, timeout: float = 120) -> list:
+    """The frames (opcode, bytes) of ``mid``'s cell a kernel websocket gets, up to its idle status
+    (others, such as the replay of what the kernel said before anyone connected, are left out)."""
+    import struct
+    import time
+
+    import websocket as wsc
+
+    frames, deadline = [], time.monotonic() + timeout
+    while True:
+        client.ws.settimeout(max(0.1, deadline - time.monotonic()))
+        opcode, data = client.ws.recv_data()
+        frame = (opcode, data)
+        if client.v1:
+            n = struct.unpack_from("<Q", data)[0]
+            offs = struct.unpack_from(f"<{n}Q", data, 8)
+            header, parent, content = (json.loads(data[offs[i]:offs[i + 1]]) for i in (1, 2, 4))
+        else:
+            if opcode == wsc.ABNF.OPCODE_BINARY:  # legacy with buffers: the JSON is chunk 0
+                n = struct.unpack_from("!I", data)[0]
+                offs = struct.unpack_from(f"!{n}I", data, 4)
+                data = data[offs[0]:offs[1]]
+            msg = json.loads(data)
+            header, parent, content = msg["header"], msg["parent_header"], msg["content"]
+        if parent.get("msg_id") != mid:
+            continue
+        frames.append(frame)
+        if header["msg_type"] == "status" and content.get("execution_state") == "idle":
+            return frames
+
+
+def test_the_websocket_relay_passes_frames_on_byte_for_byte(home, tmp_path, redis):
+    """Text and binary frames (a message with buffers), legacy and v1: a client through node A gets
+    exactly the frames, type and bytes, that a client on the owner node B gets, from the moment its
+    handshake is done (the relay is attached at B before it completes)."""
+    common = fleet_env(redis)
+    a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
+    b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b"})
+    try:
+        sid = b.request("POST", "/api/sandboxes", {}, headers={"X-Sandgate-Forwarded": "test"}).json()["id"]
+        # stdout, a result, and a comm_open carrying buffers that are not UTF-8 (a binary frame)
+        code = ("print('caf\\u00e9')\nfrom ipykernel.comm import Comm\n"
+                "Comm(target_name='bench', data={'k': 1}, buffers=[b'\\x03\\xe8\\xff\\x00' * 64])\n42")
+        for v1 in (False, True):
+            direct, through = b.connect(sid, v1=v1), a.connect(sid, v1=v1)
+            try:
+                mid = direct.send("execute_request", {"code": code, "silent": False, "store_history": True,
+                                                      "user_expressions": {}, "allow_stdin": False})
+                got_direct, got_through = _raw_until_idle(direct, mid), _raw_until_idle(through, mid)
+                binary = [d for op, d in got_direct if op == 2]
+                assert binary and any(b"\x03\xe8\xff\x00" in d for d in binary), got_direct  # buffers were sent
+                # iopub is broadcast to both; the shell reply goes to its sender only
+                assert got_through == [f for f in got_direct if b"execute_reply" not in f[1]], (v1, got_through)
+            finally:
+                direct.close()
+                through.close()
+        assert a.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    finally:
+        a.stop()
+        b.stop()

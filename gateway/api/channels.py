@@ -15,7 +15,7 @@ import logging
 import time
 from typing import List
 
-from tornado import web, websocket
+from tornado import httpclient, web, websocket
 from tornado.ioloop import IOLoop
 
 from ..core.errors import Conflict, NotFound
@@ -49,7 +49,20 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         url = await self.remote_node()
         if url:  # on another node: this websocket is relayed there, frame by frame
             self.relay = Relay(self, url, self.settings["sandgate"].node_id)
-            return await super().get(kernel_id)
+            offered = [p.strip() for p in self.request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+            try:
+                await self.relay.connect(self.select_subprotocol(offered))
+            except httpclient.HTTPClientError as e:
+                if e.code < 599:  # the node answered (the kernel went meanwhile, say): its status
+                    raise web.HTTPError(e.code, "%s", f"the node holding this kernel ({url}) answered: {e}") from None
+                raise self._unreachable(kernel_id, url, e) from None
+            except Exception as e:
+                raise self._unreachable(kernel_id, url, e) from None
+            try:
+                await super().get(kernel_id)  # returns once the websocket is over, or was refused
+            finally:
+                self.relay.close()  # a refused handshake (origin, headers) never reaches on_close
+            return
         try:
             self.kernel = self.settings["service"].get(kernel_id, self.who)  # another tenant's: 404 too
         except NotFound:
@@ -59,6 +72,11 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         if sid:
             self.session_ids.add(sid)
         await super().get(kernel_id)
+
+    @staticmethod
+    def _unreachable(kernel_id: str, url: str, e: Exception) -> web.HTTPError:
+        log.warning("kernel %s: cannot relay to its node at %s: %s", kernel_id, url, e)
+        return web.HTTPError(503, "%s", f"the node holding this kernel ({url}) is unreachable: {e}")
 
     def write_error(self, status_code, **kwargs):
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -75,11 +93,7 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
 
     async def open(self, kernel_id):
         if self.relay:
-            try:
-                await self.relay.open(self.selected_subprotocol)
-            except Exception as e:
-                log.warning("kernel %s: cannot relay to its node: %s", kernel_id, e)
-                self.close(1011, "the node holding this kernel is unreachable")
+            self.relay.start()
             return
         # Without it, Nagle and delayed ACKs add tens of ms to every small reply.
         self.set_nodelay(True)

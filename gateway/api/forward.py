@@ -143,13 +143,19 @@ class Relay:
         self.client, self.base_url, self.node = client, base_url, node
         self.upstream: Optional[websocket.WebSocketClientConnection] = None
 
-    async def open(self, subprotocol: Optional[str]) -> None:
+    async def connect(self, subprotocol: Optional[str]) -> None:
+        """The websocket to the owner node, made before the client's own handshake completes: once
+        the client is connected it is attached there (as a direct client is at its open), so it
+        gets every iopub message from then on, and a node that cannot be reached is an HTTP error."""
         metrics.FORWARDED.labels("websocket").inc()
         url = "ws" + self.base_url.rstrip("/")[4:] + self.client.request.uri
         request = httpclient.HTTPRequest(url, headers=headers_for(self.client.request, self.node))
         self.upstream = await websocket.websocket_connect(
             request, subprotocols=[subprotocol] if subprotocol else None,
             max_message_size=self.client.settings.get("websocket_max_message_size"))
+
+    def start(self) -> None:
+        """The client's handshake is done: frames flow both ways."""
         self.client.set_nodelay(True)
         self._pump()
 
