@@ -197,3 +197,36 @@ def test_frame_codec():
 
     with pytest.raises(P.ProtocolError, match="too large"):
         asyncio.run(oversized())
+
+
+def test_trace_spans_across_gateway_and_agent(agent, monkeypatch, caplog):
+    """SANDGATE_TRACE: a traced request makes the agent stamp it and every
+    message answering it; the gateway logs one line per message with every
+    hop in order. Untraced frames carry no trace field at all."""
+    from sandgate import trace
+
+    sock, _ = agent
+    assert "trace" not in P.encode_kernel("shell", [b"{}"] * 4).decode(errors="replace")
+    monkeypatch.setattr(trace, "ENABLED", True)
+    caplog.set_level("INFO", logger="sandgate.trace")
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("1+1")
+        trace.ws_received(json.loads(parts[0]))
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        return mid
+
+    mid = asyncio.run(main())
+    lines = [json.loads(r.getMessage().split(" ", 1)[1]) for r in caplog.records if r.name == "sandgate.trace"]
+    types = {line["msg_type"] for line in lines}
+    assert {"status:busy", "execute_input", "execute_result", "execute_reply", "status:idle"} <= types, types
+    assert all(line["parent"] == mid for line in lines)
+    hops = ("gw_ws_in", "gw_out", "ag_in", "ag_zmq", "ag_recv", "ag_out", "gw_in", "gw_sent")
+    for line in lines:
+        assert all(h in line for h in hops), line
+        assert [line[h] for h in hops] == sorted(line[h] for h in hops), line  # causal order, one clock here
+        assert line["k"] >= line["ag_zmq"] or line["msg_type"] != "status:busy"
+    assert trace.summarize(f"x trace {json.dumps(line)}" for line in lines)["execute_reply"]["n"] == 1
+
