@@ -230,3 +230,27 @@ def test_trace_spans_across_gateway_and_agent(agent, monkeypatch, caplog):
         assert line["k"] >= line["ag_zmq"] or line["msg_type"] != "status:busy"
     assert trace.summarize(f"x trace {json.dumps(line)}" for line in lines)["execute_reply"]["n"] == 1
 
+
+def test_kernel_flush_and_reply_settings(agent):
+    """The kernel's cut per-cell costs (sandgate_agent/kernel.py) keep output
+    whole: what a cell prints, with or without a newline or a flush, and what
+    a thread prints while the cell waits, arrives before its idle status."""
+    sock, _ = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("pass")  # past the kernel's start-up output
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        mid, parts = execute_parts(
+            "import sys, threading\nprint('a', end='')\nsys.stdout.flush()\nprint('b', end='')\n"
+            "t = threading.Thread(target=lambda: print('c'))\nt.start(); t.join()\n"
+            "sys.stderr.write('e')\nget_ipython().kernel._execute_sleep")
+        a.link.send_kernel("shell", parts)
+        return await a.until_idle(mid)
+
+    got = asyncio.run(main())
+    out = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stdout")
+    err = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stderr")
+    assert out == "abc\n" and err == "e"
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "0.0" for _, t, c in got)
