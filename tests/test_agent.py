@@ -254,3 +254,38 @@ def test_kernel_flush_and_reply_settings(agent):
     err = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stderr")
     assert out == "abc\n" and err == "e"
     assert any(t == "execute_result" and c["data"]["text/plain"] == "0.0" for _, t, c in got)
+
+
+def test_iopub_order_with_direct_sends(agent):
+    """The kernel's main thread sends IOPub messages itself when the IOPub
+    thread has nothing queued (sandgate_agent/kernel.py): the order on IOPub
+    is still the order they were made in, printed output (which goes through
+    the IOPub thread) included, and with a user's thread publishing too."""
+    sock, _ = agent
+    code = ("import threading\nfrom IPython.display import display\n"
+            "t = threading.Thread(target=lambda: [display(f't{i}') for i in range(30)])\nt.start()\n"
+            "for i in range(30):\n    print(f'p{i}')\n    display(f'd{i}')\n"
+            "t.join()\nfrom ipykernel.iostream import IOPubThread\nIOPubThread.send_multipart.__qualname__")
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("pass")  # past the kernel's start-up output
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        mid, parts = execute_parts(code)
+        a.link.send_kernel("shell", parts)
+        return await a.until_idle(mid)
+
+    got = [(t, c) for ch, t, c in asyncio.run(main()) if ch == "iopub"]
+    types = [t for t, _ in got]
+    start = types.index("execute_input")
+    assert types[start - 1] == "status" and got[start - 1][1]["execution_state"] == "busy"
+    assert types[-2:] == ["execute_result", "status"] and got[-1][1]["execution_state"] == "idle"
+    assert "_direct_iopub" in got[-2][1]["data"]["text/plain"]  # the patch is in effect
+    shown = [c["data"]["text/plain"].strip("'") for t, c in got if t == "display_data"]
+    assert [x for x in shown if x[0] == "d"] == [f"d{i}" for i in range(30)]
+    assert [x for x in shown if x[0] == "t"] == [f"t{i}" for i in range(30)]
+    # display() flushes stdout first: each print comes out just before its display.
+    main = [c["text"].strip() if t == "stream" else c["data"]["text/plain"].strip("'") for t, c in got
+            if (t == "stream" and c["name"] == "stdout") or (t == "display_data" and c["data"]["text/plain"].startswith("'d"))]
+    assert main == [x for i in range(30) for x in (f"p{i}", f"d{i}")]
