@@ -12,7 +12,10 @@ platform is mostly system calls and thread wake-ups (docs/performance.md):
 
 * a flush of stdout/stderr with nothing to flush returns at once
   (``_skip_empty_flush``); ipykernel does four per cell;
-* no 0.5 ms sleep before each execute_reply (``--IPythonKernel._execute_sleep=0``).
+* no 0.5 ms sleep before each execute_reply (``--IPythonKernel._execute_sleep=0``);
+* the main thread sends IOPub messages itself when the IOPub thread is idle
+  (``_direct_iopub``);
+* IPython's history stays in memory (no SQLite writes on every cell).
 
 The transport itself is ipc (unix sockets), chosen by the connection file.
 """
@@ -149,6 +152,11 @@ def main() -> None:
     # The sleep papers over output that arrives after the reply; clients (and
     # the gateway's own execute) wait for the idle status, which comes after it.
     sys.argv.append("--IPythonKernel._execute_sleep=0")
+    # IPython's history in memory: %history, In and _i work for the kernel's
+    # life, but no thread writes (and fsyncs) a SQLite file in the workspace
+    # on every cell, competing with the cell's own messages for the GIL and
+    # the sandbox's CPU. What is lost is history across kernel restarts.
+    sys.argv.append("--HistoryManager.hist_file=:memory:")
     from ipykernel.kernelapp import launch_new_instance
 
     sys.argv[0] = "sandgate-kernel"

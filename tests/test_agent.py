@@ -234,7 +234,8 @@ def test_trace_spans_across_gateway_and_agent(agent, monkeypatch, caplog):
 def test_kernel_flush_and_reply_settings(agent):
     """The kernel's cut per-cell costs (sandgate_agent/kernel.py) keep output
     whole: what a cell prints, with or without a newline or a flush, and what
-    a thread prints while the cell waits, arrives before its idle status."""
+    a thread prints while the cell waits, arrives before its idle status; no
+    sleep before the reply; history in memory, In and _i still there."""
     sock, _ = agent
 
     async def main():
@@ -245,7 +246,8 @@ def test_kernel_flush_and_reply_settings(agent):
         mid, parts = execute_parts(
             "import sys, threading\nprint('a', end='')\nsys.stdout.flush()\nprint('b', end='')\n"
             "t = threading.Thread(target=lambda: print('c'))\nt.start(); t.join()\n"
-            "sys.stderr.write('e')\nget_ipython().kernel._execute_sleep")
+            "sys.stderr.write('e')\n(get_ipython().kernel._execute_sleep, str(get_ipython().history_manager.hist_file),"
+            " len(In) > 2, _i)")
         a.link.send_kernel("shell", parts)
         return await a.until_idle(mid)
 
@@ -253,7 +255,8 @@ def test_kernel_flush_and_reply_settings(agent):
     out = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stdout")
     err = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stderr")
     assert out == "abc\n" and err == "e"
-    assert any(t == "execute_result" and c["data"]["text/plain"] == "0.0" for _, t, c in got)
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "(0.0, ':memory:', True, 'pass')"
+               for _, t, c in got), got
 
 
 def test_iopub_order_with_direct_sends(agent):
