@@ -107,6 +107,7 @@ def _direct_iopub() -> None:
     the kernel made them in. A lock keeps the two threads from using the
     socket at once. Other threads (output of the user's threads, forked
     children) keep the queue."""
+    import os
     import threading
 
     from ipykernel import iostream
@@ -114,7 +115,10 @@ def _direct_iopub() -> None:
     pub = iostream.IOPubThread
     handle, really_send, queued_send = pub._handle_event, pub._really_send, pub.send_multipart
     main_thread = threading.main_thread()
-    lock = threading.Lock()
+    # A child forked while the IOPub thread held the lock would find it held
+    # forever (its ``_really_send`` runs inline there): it gets a new one.
+    state = {"lock": threading.Lock()}
+    os.register_at_fork(after_in_child=lambda: state.update(lock=threading.Lock()))
 
     def _handle_event(self, msg):
         self._sandgate_running = True
@@ -124,13 +128,13 @@ def _direct_iopub() -> None:
             self._sandgate_running = False
 
     def _really_send(self, *args, **kwargs):
-        with lock:
+        with state["lock"]:
             really_send(self, *args, **kwargs)
 
     def send_multipart(self, *args, **kwargs):
         if (threading.current_thread() is main_thread and not self._events
                 and not getattr(self, "_sandgate_running", False) and self._is_master_process()):
-            with lock:
+            with state["lock"]:
                 really_send(self, *args, **kwargs)
         else:
             queued_send(self, *args, **kwargs)
