@@ -12,7 +12,8 @@ when it came off ZMQ (``ag_recv``) and when it went to the stream
 adds when it read that frame (``gw_in``) and when it had written it to the
 websockets (``gw_sent``), and logs one line per message on the
 ``sandgate.trace`` logger: every stamp in ms since ``gw_ws_in``, plus ``k``,
-the kernel's own header date (when ipykernel made the message).
+the kernel's own header date (when ipykernel made the message), and ``t0``,
+``gw_ws_in`` itself (epoch seconds, to line a message up with other logs).
 
 All stamps are wall-clock (``time.time()``): a gVisor sandbox reads the host's
 clock. A VM's clock is set from the host's at boot and restore, so its stamps
