@@ -898,6 +898,29 @@ def table(summary: dict, rat: dict) -> str:
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
+def trace_breakdown(t: "SandgateTarget") -> dict:
+    """Median span per message type from a traced gateway's log (all its
+    traced cells: starts, warmup and round trips)."""
+    from sandgate import trace
+
+    try:
+        with open(t.log_path, errors="replace") as f:
+            return trace.summarize(f)
+    except OSError:
+        return {}
+
+
+def trace_table(breakdown: dict) -> str:
+    from sandgate import trace
+
+    rows = sorted(breakdown.items(), key=lambda kv: kv[1].get("gw_sent", 0))
+    hops = [h for h in trace.ORDER if any(h in r for _, r in rows)]
+    out = ["| message | " + " | ".join(hops) + " | n |", "|---|" + "---:|" * (len(hops) + 1)]
+    for name, r in rows:
+        out.append(f"| {name} | " + " | ".join(f"{r[h]:.2f}" if h in r else "-" for h in hops) + f" | {r['n']} |")
+    return "\n".join(out)
+
+
 def run(args) -> int:
     home = Path(args.home) if args.home else _default_home()
     runs = max(1, args.runs)
@@ -912,12 +935,16 @@ def run(args) -> int:
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-"))
+    # --trace: every Sandgate gateway logs its spans (gateway/trace.py); the
+    # breakdown of sandgate-gvisor's round trips is reported beside the table.
+    tr = {"SANDGATE_TRACE": "1"} if getattr(args, "trace", False) else {}
     targets: List[Target] = [
         DirectTarget(logdir), KernelGatewayTarget(logdir),
-        SandgateTarget(logdir, home, SANDGATE, {"SANDGATE_WARM_START": "true"}, pool_wait=POOL_WAIT),
-        SandgateTarget(logdir, home, SANDGATE_TEMPLATE, {"SANDGATE_WARM_START": "true", "SANDGATE_POOL_SIZE": "0"}),
-        SandgateTarget(logdir, home, SANDGATE_COLD, {"SANDGATE_WARM_START": "false"}),
+        SandgateTarget(logdir, home, SANDGATE, {"SANDGATE_WARM_START": "true", **tr}, pool_wait=POOL_WAIT),
+        SandgateTarget(logdir, home, SANDGATE_TEMPLATE, {"SANDGATE_WARM_START": "true", "SANDGATE_POOL_SIZE": "0", **tr}),
+        SandgateTarget(logdir, home, SANDGATE_COLD, {"SANDGATE_WARM_START": "false", **tr}),
     ]
+    breakdown: dict = {}
     nt = len(targets)
     checkpoint_raw: dict = {}
     results = {t.name: {"start_s": [], "memory": [], "roundtrip_s": [], "kernel": {}} for t in targets}
@@ -960,6 +987,8 @@ def run(args) -> int:
             progress(f"round trips {done}/{runs}: " + ", ".join(
                 f"{t.name} p50 {percentile(results[t.name]['roundtrip_s'], 50) * 1e3:.2f} ms" for t in targets))
 
+        if tr:
+            breakdown = trace_breakdown(next(t for t in targets if t.name == SANDGATE))
         for t in targets:  # the checkpoint section uses the warm gateway alone
             k = live.pop(t.name, None)
             if k is not None:
@@ -1012,11 +1041,15 @@ def run(args) -> int:
         "goals": g,
         "raw": results,
         "raw_checkpoints": checkpoint_raw,
+        "trace": breakdown,
     }
     Path(args.output).write_text(json.dumps(report, indent=1))
     shutil.rmtree(logdir, ignore_errors=True)
     print(table(summary, rat))
     print()
     print(checkpoint_table(cs, g))
+    if breakdown:
+        print(f"\n{SANDGATE}, where a 1+1 round trip goes (median ms since the websocket frame arrived):")
+        print(trace_table(breakdown))
     print(f"\nraw numbers: {args.output}")
     return 0

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from sandgate_agent import protocol as P
 from sandgate_agent import tunnel as T
+
+from . import trace
 
 log = logging.getLogger("sandgate.agent_link")
 
@@ -59,7 +62,13 @@ class AgentLink:
             while True:
                 frame, payload = await P.read_frame(self.reader)
                 if isinstance(frame, P.KernelFrame):
-                    self.on_kernel(frame.channel, P.split_parts(frame, payload))
+                    parts = P.split_parts(frame, payload)
+                    if frame.trace is None:
+                        self.on_kernel(frame.channel, parts)
+                    else:
+                        t = time.time()
+                        self.on_kernel(frame.channel, parts)
+                        trace.delivered(frame.channel, parts, frame.trace, t)
                 elif isinstance(frame, P.ResponseFrame):
                     fut = self._pending.pop(frame.id, None)
                     if fut and not fut.done():
@@ -107,7 +116,7 @@ class AgentLink:
     def send_kernel(self, channel: str, parts: List[bytes]) -> None:
         if self.closed.done():
             raise AgentError("agent stream is closed")
-        self.writer.write(P.encode_kernel(channel, parts))
+        self.writer.write(P.encode_kernel(channel, parts, trace.request_stamps(parts)))
 
     async def request(self, op: str, args: Optional[dict] = None, payload: bytes = b"",
                       timeout: float = 60.0) -> Tuple[dict, bytes]:

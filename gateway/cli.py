@@ -388,6 +388,9 @@ def main(argv=None) -> int:
                    help="with --fleet: seconds per routing-lookup measurement (default 3)")
     b.add_argument("--fleet-death", type=int, default=3, metavar="N",
                    help="with --fleet: sandboxes on the node that is killed (default 3)")
+    b.add_argument("--trace", action="store_true",
+                   help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
+                        "round trip goes (gateway, agent, kernel; median ms per message)")
     b.add_argument("--home")
     b.set_defaults(fn=cmd_bench)
 

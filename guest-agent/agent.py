@@ -110,6 +110,12 @@ def host_entropy(hexdigits: str) -> bytes:
         return b""
 
 
+class TRACE:
+    """Opt-in spans, switched by the gateway (see Agent.trace_in)."""
+    on = False
+    read_at = 0.0  # when the stdin thread last read from the stream
+
+
 def log(*args) -> None:
     print("sandgate-agent:", *args, file=sys.stderr, flush=True)
 
@@ -640,6 +646,10 @@ class Agent:
         self.pumps: list[asyncio.Future] = []
         self.malformed, self.malformed_logged = 0, 0.0  # messages from the kernel dropped, not yet logged
         self.restored_at = b""  # the host's clock sent with the last reconnect
+        # Opt-in spans (gateway/trace.py): on while the gateway's kernel frames
+        # ask for them; the stamps of each traced request, by its msg_id, go
+        # back on the messages that answer it.
+        self.traced: collections.OrderedDict[str, dict] = collections.OrderedDict()
         ca_dir = args.runtime_dir.rstrip("/") + "-egress"  # made now, before any code of the user runs
         os.makedirs(ca_dir, mode=0o755, exist_ok=True)
         self.egress = Egress(self.out, ca_dir)
@@ -728,7 +738,7 @@ class Agent:
         while True:
             msg = await sock.recv_multipart()
             try:
-                frame = self.from_kernel(channel, msg)
+                frame = self.from_kernel(channel, msg, time.time() if TRACE.on else None)
             except Exception as e:
                 # Code in the kernel can send anything on these sockets (it
                 # holds the connection file): a message that is not a Jupyter
@@ -742,7 +752,7 @@ class Agent:
             if frame is not None:
                 await self.out.send(frame)
 
-    def from_kernel(self, channel: str, msg: list[bytes]) -> bytes | None:
+    def from_kernel(self, channel: str, msg: list[bytes], received: float | None = None) -> bytes | None:
         """The frame to forward for one message from the kernel, or None when
         it answers one of the agent's own requests. Raises ValueError (or any
         JSON error) for a message that is not a Jupyter message: the gateway
@@ -767,8 +777,11 @@ class Agent:
                 if not fut.done():
                     fut.set_result(content)
             return None
+        trace = None
+        if received is not None:
+            trace = {**self.traced.get(parent_id, {}), "ag_recv": received, "ag_out": time.time()}
         try:
-            return P.encode_kernel(channel, parts)
+            return P.encode_kernel(channel, parts, trace)
         except P.ProtocolError as e:  # bigger than a frame may be: say so, keep going
             log(f"dropping a {channel} message: {e}")
             self.out.dropped += 1
@@ -788,7 +801,12 @@ class Agent:
                     if frame.channel == "iopub":
                         continue
                     await self.ready.wait()
-                    await self.kernel.send(frame.channel, P.split_parts(frame, payload))
+                    parts = P.split_parts(frame, payload)
+                    TRACE.on = frame.trace is not None
+                    stamps = self.trace_in(frame, parts) if TRACE.on else None
+                    await self.kernel.send(frame.channel, parts)
+                    if stamps is not None:
+                        stamps["ag_zmq"] = time.time()
                 elif isinstance(frame, P.RequestFrame):
                     asyncio.ensure_future(self.answer(frame, payload))
                 elif isinstance(frame, P.TunnelFrame):
@@ -801,6 +819,18 @@ class Agent:
                 self.out.detach()
             # Tunnelled connections live on one stream: the next gateway knows none of them.
             await self.egress.mux.close_all("the gateway's stream ended", tell_peer=False)
+
+    def trace_in(self, frame: P.KernelFrame, parts: list[bytes]) -> dict | None:
+        """The stamps of a traced request, kept for the messages answering it."""
+        try:
+            msg_id = json.loads(parts[0])["msg_id"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        stamps = {**frame.trace, "ag_read": TRACE.read_at, "ag_in": time.time()}
+        self.traced[msg_id] = stamps
+        while len(self.traced) > 64:
+            self.traced.popitem(last=False)
+        return stamps
 
     async def answer(self, req: P.RequestFrame, payload: bytes) -> None:
         data = b""
@@ -1008,6 +1038,8 @@ async def stdio_streams():
             if not data:
                 loop.call_soon_threadsafe(reader.feed_eof)
                 return
+            if TRACE.on:
+                TRACE.read_at = time.time()
             loop.call_soon_threadsafe(reader.feed_data, data)
 
     threading.Thread(target=pump_stdin, name="stdin", daemon=True).start()

@@ -44,6 +44,10 @@ class KernelFrame(BaseModel):
     type: Literal["kernel"] = "kernel"
     channel: Literal["shell", "iopub", "stdin", "control"]
     parts: List[int]
+    # Opt-in spans (SANDGATE_TRACE, gateway/trace.py): wall-clock times of this
+    # message (and of the request it answers) at each hop. Absent unless a
+    # gateway that traces asked for them; old peers ignore the field.
+    trace: Optional[Dict[str, float]] = None
 
 
 class RequestFrame(BaseModel):
@@ -165,14 +169,17 @@ def dump(model: BaseModel) -> Dict[str, Any]:
 
 
 def encode(header: BaseModel, payload: bytes = b"") -> bytes:
-    h = json.dumps(dump(header), separators=(",", ":")).encode()
+    d = dump(header)
+    if "trace" in d and d["trace"] is None:  # untraced frames stay as they were
+        del d["trace"]
+    h = json.dumps(d, separators=(",", ":")).encode()
     if len(h) > MAX_HEADER or len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"frame too large: header {len(h)} B, payload {len(payload)} B")
     return PREFIX.pack(len(h), len(payload)) + h + payload
 
 
-def encode_kernel(channel: str, parts: List[bytes]) -> bytes:
-    return encode(KernelFrame(channel=channel, parts=[len(p) for p in parts]), b"".join(parts))
+def encode_kernel(channel: str, parts: List[bytes], trace: Optional[Dict[str, float]] = None) -> bytes:
+    return encode(KernelFrame(channel=channel, parts=[len(p) for p in parts], trace=trace), b"".join(parts))
 
 
 def parse_header(raw: bytes) -> Frame:

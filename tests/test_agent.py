@@ -197,3 +197,98 @@ def test_frame_codec():
 
     with pytest.raises(P.ProtocolError, match="too large"):
         asyncio.run(oversized())
+
+
+def test_trace_spans_across_gateway_and_agent(agent, monkeypatch, caplog):
+    """SANDGATE_TRACE: a traced request makes the agent stamp it and every
+    message answering it; the gateway logs one line per message with every
+    hop in order. Untraced frames carry no trace field at all."""
+    from sandgate import trace
+
+    sock, _ = agent
+    assert "trace" not in P.encode_kernel("shell", [b"{}"] * 4).decode(errors="replace")
+    monkeypatch.setattr(trace, "ENABLED", True)
+    caplog.set_level("INFO", logger="sandgate.trace")
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("1+1")
+        trace.ws_received(json.loads(parts[0]))
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        return mid
+
+    mid = asyncio.run(main())
+    lines = [json.loads(r.getMessage().split(" ", 1)[1]) for r in caplog.records if r.name == "sandgate.trace"]
+    types = {line["msg_type"] for line in lines}
+    assert {"status:busy", "execute_input", "execute_result", "execute_reply", "status:idle"} <= types, types
+    assert all(line["parent"] == mid for line in lines)
+    hops = ("gw_ws_in", "gw_out", "ag_in", "ag_zmq", "ag_recv", "ag_out", "gw_in", "gw_sent")
+    for line in lines:
+        assert all(h in line for h in hops), line
+        assert [line[h] for h in hops] == sorted(line[h] for h in hops), line  # causal order, one clock here
+        assert line["k"] >= line["ag_zmq"] or line["msg_type"] != "status:busy"
+    assert trace.summarize(f"x trace {json.dumps(line)}" for line in lines)["execute_reply"]["n"] == 1
+
+
+def test_kernel_flush_and_reply_settings(agent):
+    """The kernel's cut per-cell costs (sandgate_agent/kernel.py) keep output
+    whole: what a cell prints, with or without a newline or a flush, and what
+    a thread prints while the cell waits, arrives before its idle status; no
+    sleep before the reply; history in memory, In and _i still there."""
+    sock, _ = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("pass")  # past the kernel's start-up output
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        mid, parts = execute_parts(
+            "import sys, threading\nprint('a', end='')\nsys.stdout.flush()\nprint('b', end='')\n"
+            "t = threading.Thread(target=lambda: print('c'))\nt.start(); t.join()\n"
+            "sys.stderr.write('e')\n(get_ipython().kernel._execute_sleep, str(get_ipython().history_manager.hist_file),"
+            " len(In) > 2, _i)")
+        a.link.send_kernel("shell", parts)
+        return await a.until_idle(mid)
+
+    got = asyncio.run(main())
+    out = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stdout")
+    err = "".join(c["text"] for _, t, c in got if t == "stream" and c["name"] == "stderr")
+    assert out == "abc\n" and err == "e"
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "(0.0, ':memory:', True, 'pass')"
+               for _, t, c in got), got
+
+
+def test_iopub_order_with_direct_sends(agent):
+    """The kernel's main thread sends IOPub messages itself when the IOPub
+    thread has nothing queued (sandgate_agent/kernel.py): the order on IOPub
+    is still the order they were made in, printed output (which goes through
+    the IOPub thread) included, and with a user's thread publishing too."""
+    sock, _ = agent
+    code = ("import threading\nfrom IPython.display import display\n"
+            "t = threading.Thread(target=lambda: [display(f't{i}') for i in range(30)])\nt.start()\n"
+            "for i in range(30):\n    print(f'p{i}')\n    display(f'd{i}')\n"
+            "t.join()\nfrom ipykernel.iostream import IOPubThread\nIOPubThread.send_multipart.__qualname__")
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts("pass")  # past the kernel's start-up output
+        a.link.send_kernel("shell", parts)
+        await a.until_idle(mid)
+        mid, parts = execute_parts(code)
+        a.link.send_kernel("shell", parts)
+        return await a.until_idle(mid)
+
+    got = [(t, c) for ch, t, c in asyncio.run(main()) if ch == "iopub"]
+    types = [t for t, _ in got]
+    start = types.index("execute_input")
+    assert types[start - 1] == "status" and got[start - 1][1]["execution_state"] == "busy"
+    assert types[-2:] == ["execute_result", "status"] and got[-1][1]["execution_state"] == "idle"
+    assert "_direct_iopub" in got[-2][1]["data"]["text/plain"]  # the patch is in effect
+    shown = [c["data"]["text/plain"].strip("'") for t, c in got if t == "display_data"]
+    assert [x for x in shown if x[0] == "d"] == [f"d{i}" for i in range(30)]
+    assert [x for x in shown if x[0] == "t"] == [f"t{i}" for i in range(30)]
+    # display() flushes stdout first: each print comes out just before its display.
+    main = [c["text"].strip() if t == "stream" else c["data"]["text/plain"].strip("'") for t, c in got
+            if (t == "stream" and c["name"] == "stdout") or (t == "display_data" and c["data"]["text/plain"].startswith("'d"))]
+    assert main == [x for i in range(30) for x in (f"p{i}", f"d{i}")]

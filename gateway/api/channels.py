@@ -22,6 +22,7 @@ from ..core.errors import Conflict, NotFound
 from ..core.fanout import IopubLimiter
 from ..core.messages import message, status_message
 from . import wire
+from .. import trace
 from ..logformat import new_request_id
 from .base import AuthMixin
 from .forward import Relay
@@ -118,6 +119,7 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
             return
         if header.get("session"):
             self.session_ids.add(header["session"])
+        trace.ws_received(header)
         try:
             self.kernel.send(channel, parts, header)
         except Conflict as e:
