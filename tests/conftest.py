@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from sandgate.config import default_home
-from sandgate_client import SandboxDied
+from sandgate_client import Execution, Sandbox, SandboxDied, SandboxInfo, Timeout
+from sandgate_client.sandbox import HTTP
 from sandgate_client.kernel import KernelConnection
 from sandgate_images import rootfs as images
 
@@ -93,6 +94,25 @@ class Gateway:
                 return Response(r.status, r.headers, r.read())
         except urllib.error.HTTPError as e:
             return Response(e.code, e.headers, e.read())
+
+    def sandbox(self, sid: str) -> Sandbox:
+        """The SDK's handle on sandbox ``sid`` (no request: every call names the id)."""
+        return Sandbox(SandboxInfo.from_json({"id": sid}), HTTP(self.url, self.token, timeout=180))
+
+    def create(self, **body) -> dict:
+        """A sandbox through the SDK (``Sandbox.create``); the API's answer as a dict."""
+        return Sandbox.create(self.url, self.token, timeout=300, **body).info.raw
+
+    def run_code(self, sid: str, code: str, timeout: float = 60) -> Execution:
+        """A cell through the SDK's ``run_code``. A cell that timed out or whose sandbox died
+        comes back as its Execution (``status`` timeout, ``error.ename`` DeadKernelError) for
+        the test to look at, rather than raised."""
+        try:
+            return self.sandbox(sid).run_code(code, timeout=timeout)
+        except (Timeout, SandboxDied) as e:
+            if getattr(e, "execution", None) is None:
+                raise
+            return e.execution
 
     def start_kernel(self, name="python3", env=None) -> str:
         r = self.request("POST", "/api/kernels", {"name": name, **({"env": env} if env else {})})

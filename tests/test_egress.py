@@ -32,11 +32,9 @@ def egw(home, upstream, tmp_path_factory):
 
 
 def ex(gw, sid, code):
-    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code})
-    assert r.status == 200, r.body
-    out = r.json()
-    assert out["error"] is None, out["error"]
-    return out["stdout"]
+    out = gw.run_code(sid, code)  # the SDK (conftest)
+    assert out.error is None, out.error
+    return out.stdout
 
 
 # Fetch a URL through whatever proxy the environment names now (a fresh opener each time: urllib's
