@@ -676,7 +676,9 @@ class SandgateTarget(GatewayTarget):
         self.sandboxes[sb.id] = sb
         self.kernels[sb.id] = None  # deleted on the way out, whatever happens
         self.started_ids.append(sb.id)
-        self.runtime_id(sb.id)
+        rid = sb.info.raw.get("runtime_id")  # in create's answer: no extra request inside a timed start
+        if rid and rid not in self.runtime_ids:
+            self.runtime_ids.append(rid)
         return sb.id
 
     def run_cell(self, sid: str, code: str):
