@@ -258,6 +258,8 @@ def test_kernel_websocket_execute_and_reconnect_with_replay(sb):
 def test_kernel_websocket_v1_sessions_raw_messages_and_input(sb):
     from sandgate_client.kernel import V1
 
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        sb.kernel(protocol="v2")
     seen = []
     with sb.kernel(session="sdk-alpha") as a, sb.kernel(protocol="v1", session="sdk-beta", on_message=seen.append) as b:
         assert b.ws.subprotocol == V1 and a.ws.subprotocol is None
