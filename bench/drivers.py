@@ -72,9 +72,7 @@ def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
             raise BenchError(f"{driver}: 1+1 in {sid} gave {out!r}")
 
     def create() -> str:
-        sid = t.api("POST", "/api/sandboxes", {"driver": driver}, expect=(201,))["id"]
-        t.kernels[sid] = None  # deleted on the way out, whatever happens
-        t.started_ids.append(sid)
+        sid = t.create_sandbox(driver=driver)
         first_result(sid)
         return sid
 
@@ -84,13 +82,11 @@ def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
     mem = runtime_memory([sid, rid])
     m["rss"], m["pss"] = mem["rss"], mem["pss"]
     t.run_cell(sid, "x = 41")
-    cp, m["checkpoint_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/checkpoints", {}, expect=(201,)))
-    m["state_bytes"] = cp["state_bytes"]
+    cp, m["checkpoint_s"] = timed(lambda: t.checkpoint(sid))
+    m["state_bytes"] = cp.raw["state_bytes"]
 
     def fork() -> str:
-        fid = t.api("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]}, expect=(201,))["id"]
-        t.kernels[fid] = None
-        t.started_ids.append(fid)
+        fid = t.fork(sid, cp.id)
         first_result(fid)
         return fid
 
@@ -100,9 +96,7 @@ def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
     t.stop_kernel(fid)
 
     def fork_now() -> str:
-        fid = t.api("POST", f"/api/sandboxes/{sid}/fork", {}, expect=(201,))["id"]
-        t.kernels[fid] = None
-        t.started_ids.append(fid)
+        fid = t.fork(sid)
         first_result(fid)
         return fid
 
@@ -110,9 +104,9 @@ def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
     t.stop_kernel(fid)
     rtts = [timed(lambda: first_result(sid))[1] for _ in range(RTT_RUNS)]
     m["rtt_ms"] = statistics.median(rtts) * 1000
-    _, m["pause_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {}))
+    _, m["pause_s"] = timed(lambda: t.pause(sid))
     _, m["resume_s"] = timed(lambda: first_result(sid))
-    _, m["freeze_s"] = timed(lambda: t.api("POST", f"/api/sandboxes/{sid}/pause", {"mode": "memory"}))
+    _, m["freeze_s"] = timed(lambda: t.pause(sid, "memory"))
     _, m["thaw_s"] = timed(lambda: first_result(sid))
     t.stop_kernel(sid)
     progress(f"{label}: " + ", ".join(f"{k} {mib(v) if k in IN_MIB else v:.2f}" for k, v in m.items()

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import (WARMUP, BenchError, SandgateTarget, WSKernel, _default_home, cell_result,
+from .kernels import (WARMUP, BenchError, SandgateTarget, SDKKernel, _default_home, cell_result,
                       need_psutil, percentile, progress, runsc_version)
 
 PLAIN_IP, TLS_IP = "127.0.0.3", "127.0.0.4"  # loopback only
@@ -433,7 +433,7 @@ def run(args) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-egress-"))
     helpers: List[Helper] = []
     t: Optional[SandgateTarget] = None
-    kernels: List[WSKernel] = []
+    kernels: List[SDKKernel] = []
     raw: Dict[str, Dict[str, Dict[str, List[dict]]]] = {
         s: {c[0]: {loc: [] for loc in LOCATIONS} for c in CELLS} for s in SCHEMES}
     rt_raw: Dict[str, List[float]] = {"egress_off": [], "egress_on": []}
@@ -469,10 +469,7 @@ def run(args) -> int:
         for name in SANDBOXES:
             which = name.rsplit("-", 1)[0]
             t0 = time.perf_counter()
-            sid = t.api("POST", "/api/sandboxes", {"egress": {"allow": allow}} if which == "egress_on" else {},
-                        expect=(201,))["id"]
-            t.kernels[sid] = None  # deleted on the way out, whatever happens
-            t.started_ids.append(sid)
+            sid = t.create_sandbox(**({"egress": {"allow": allow}} if which == "egress_on" else {}))
             if cell_result(t.run_cell(sid, "1+1")) != "2":
                 raise BenchError(f"1+1 in sandbox {sid} did not give 2")
             boot[which].append(time.perf_counter() - t0)
@@ -482,7 +479,7 @@ def run(args) -> int:
 
         # Part 2 first: the round trip before any egress traffic.
         progress(f"1+1 round trips on the {len(sids)} sandboxes: {runs} each after {WARMUP} warmup, in turn")
-        ks = {name: WSKernel(t.port, t.token, sid) for name, sid in sids.items()}
+        ks = {name: t.connect(sid) for name, sid in sids.items()}
         kernels.extend(ks.values())
         for k in ks.values():
             for _ in range(WARMUP):
@@ -503,8 +500,8 @@ def run(args) -> int:
 
         on = sids[SANDBOXES[1]]  # part 1 runs in the first sandbox with a policy
         env = t.run_cell(on, "import os; print(os.environ.get('HTTPS_PROXY'), os.environ.get('HTTP_PROXY'))")
-        if "None" in env["stdout"]:
-            raise BenchError(f"the egress sandbox has no proxy in its environment: {env['stdout']!r}")
+        if "None" in env.stdout:
+            raise BenchError(f"the egress sandbox has no proxy in its environment: {env.stdout!r}")
         t.run_cell(on, f"_sgc = {{'__name__': 'sandgate_bench_client'}}\nexec({CLIENT.read_text()!r}, _sgc)\n"
                        + INSIDE_CPU)
 
@@ -546,7 +543,7 @@ def run(args) -> int:
                 out = t.run_cell(on, f"import json as _j\n_c0 = _sg_cpu()\n"
                                      f"_r = _sgc['measure'](_j.loads({json.dumps(cfg)!r}))\n"
                                      f"_r['inside'] = _sg_cpu_delta(_c0)\nprint(_j.dumps(_r))")
-                r = json.loads(out["stdout"].strip().splitlines()[-1])  # the result is the cell's last line
+                r = json.loads(out.stdout.strip().splitlines()[-1])  # the result is the cell's last line
             else:
                 r = client.call(cfg, timeout=cfg["duration"] + HELPER_TIMEOUT)
             after = cpu_now(loc)

@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import TIMEOUT, BenchError, SandgateTarget, WSKernel, _default_home, free_port, percentile, progress
+from .kernels import TIMEOUT, BenchError, SandgateTarget, SDKKernel, _default_home, free_port, percentile, progress
 
 GOAL = 1.2
 HERE = {"X-Sandgate-Forwarded": "bench"}  # answered by the node asked, never forwarded or placed elsewhere
@@ -110,7 +110,11 @@ def stats(xs: List[float]) -> dict:
 # -- round trip ------------------------------------------------------------------
 
 def round_trip(a: SandgateTarget, b: SandgateTarget, sid: str, rounds: int) -> dict:
-    direct, through = WSKernel(b.port, b.token, sid), WSKernel(a.port, a.token, sid)
+    from sandgate_client import Sandbox
+
+    direct, through = b.connect(sid), a.connect(sid)
+    # The same sandbox through each node's URL: SDK handles for the REST execute.
+    rest = {"direct": Sandbox.connect(sid, b.url, b.token), "through": Sandbox.connect(sid, a.url, a.token)}
     raw: Dict[str, List[float]] = {"ws_direct": [], "ws_through": [], "rest_direct": [], "rest_through": []}
     try:
         for _ in range(5):  # warm both paths
@@ -124,8 +128,10 @@ def round_trip(a: SandgateTarget, b: SandgateTarget, sid: str, rounds: int) -> d
                 k.execute("1+1")
                 raw[f"ws_{name}"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                call(node, "POST", f"/api/sandboxes/{sid}/execute", {"code": "1+1"})
+                ex = node.sdk(f"1+1 in {sid}", lambda: rest[name].run_code("1+1", timeout=TIMEOUT))
                 raw[f"rest_{name}"].append(time.perf_counter() - t0)
+                if ex.text != "2":
+                    raise BenchError(f"{node.name}: 1+1 in {sid} gave {ex.text!r}")
     finally:
         direct.close()
         through.close()
@@ -167,10 +173,13 @@ def lookups(redis_url: str, sid: str, seconds: float, concurrency: List[int]) ->
 
 # -- load ------------------------------------------------------------------------
 
-def checked_cell(k: WSKernel, i: int) -> tuple:
+def checked_cell(k: SDKKernel, i: int) -> tuple:
     """print(i) with its reply, stream and idle all matched by msg_id: (the round trip, None),
     or (None, what was missing or wrong) when lost. The stream's text is the cell's stream
-    messages joined: a loaded kernel may flush print's "i" and its "\\n" as two messages."""
+    messages joined: a loaded kernel may flush print's "i" and its "\\n" as two messages.
+    Raw messages, not ``execute``: a lost reply is counted here, not raised."""
+    from sandgate_client import Timeout
+
     t0 = time.perf_counter()
     mid = k.send("execute_request", {"code": f"print({i})", "silent": False, "store_history": True,
                                      "user_expressions": {}, "allow_stdin": False})
@@ -180,10 +189,10 @@ def checked_cell(k: WSKernel, i: int) -> tuple:
     while not (reply and idle):  # ipykernel flushes a cell's stdout before its idle status
         left = deadline - time.monotonic()
         try:
-            if left <= 0:
-                raise k.websocket.WebSocketTimeoutException()
+            if left <= 0:  # by the clock: a connection's pings must not keep a lost cell waiting
+                raise Timeout("the cell's deadline passed")
             m = k.recv(left)
-        except k.websocket.WebSocketTimeoutException:
+        except Timeout:
             return None, (f"cell {i} (msg_id {mid}) incomplete after {CELL_TIMEOUT:g} s: execute_reply "
                           f"{reply or 'missing'}, stream {text!r}, idle status {'seen' if idle else 'missing'}")
         if m.get("parent_header", {}).get("msg_id") != mid:
@@ -214,12 +223,12 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
         # every second kernel through a node that does not hold it
         node = nodes[owner[sid]] if n % 2 == 0 else nodes[(owner[sid] + 1) % len(nodes)]
         via_other += n % 2
-        clients.append(WSKernel(node.port, node.token, sid))
+        clients.append(node.connect(sid))
         clients[-1].split_streams = 0  # cells whose stdout came as more than one stream message
     start = threading.Event()
     end = [0.0]
 
-    def drive(k: WSKernel):
+    def drive(k: SDKKernel):
         start.wait()
         mine: List[float] = []
         try:
@@ -263,6 +272,7 @@ def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int],
 # -- node death ------------------------------------------------------------------
 
 def node_death(a: SandgateTarget, c: SandgateTarget, sids: List[str]) -> dict:
+    # Raw calls here, not the SDK: its retry of a 503 (backoff up to 4 s) would blur the time to the first answer.
     for sid in sids:
         call(c, "POST", f"/api/sandboxes/{sid}/execute", {"code": "x = 41"})
         call(c, "POST", f"/api/sandboxes/{sid}/checkpoints", {}, expect=(200, 201))

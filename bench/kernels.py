@@ -6,10 +6,11 @@ host hits them all alike:
 * ``jupyter-client``: a local ipykernel driven over ZMQ by a
   ``BlockingKernelClient``, no gateway at all (the baseline);
 * ``kernel-gateway``: ``jupyter kernelgateway`` from PyPI, driven over REST and
-  the websocket (legacy JSON frames) as a client would;
+  the websocket (legacy JSON frames) by the bench's own plain client (``WSKernel``);
 * ``sandgate-gvisor``: ``sandgate serve`` with warm start (the default), driven
-  identically; each start waits ``POOL_WAIT`` s first, so it takes a kernel
-  from the refilled pool;
+  through Sandgate's SDK as a user would: ``Sandbox.create`` and the kernel
+  websocket's ``KernelConnection`` (legacy JSON frames too); each start waits
+  ``POOL_WAIT`` s first, so it takes a kernel from the refilled pool;
 * ``sandgate-template``: warm start with ``SANDGATE_POOL_SIZE=0``: every start
   restores the template checkpoint (the pool-empty case);
 * ``sandgate-cold``: ``SANDGATE_WARM_START=false``: every start boots Python.
@@ -26,7 +27,7 @@ memory one idle kernel adds (RSS and PSS summed over its process tree, from
 psutil). Every kernel and subprocess is stopped on the way out, Ctrl-C and
 errors included.
 
-The checkpoint section runs on ``sandgate-gvisor`` over the sandbox API:
+The checkpoint section runs on ``sandgate-gvisor`` over the sandbox API (the SDK):
 checkpoint time and size after ``x = 41``, fork to the fork's first ``1+1``
 result, pause, the execute that resumes a paused sandbox, and what a paused
 sandbox holds in memory (its runtime processes) and on disk.
@@ -236,6 +237,44 @@ class WSKernel:
             pass
 
 
+class SDKKernel:
+    """A Sandgate sandbox's kernel through the SDK's ``KernelConnection`` (legacy JSON
+    frames, as ``WSKernel``). No reconnect: a dropped connection is a failure to report,
+    not to hide (the fleet bench counts lost cells)."""
+
+    def __init__(self, url: str, token: str, sandbox_id: str):
+        from sandgate_client.kernel import KernelConnection
+
+        self.id = sandbox_id
+        self.k = KernelConnection(url, token, sandbox_id, timeout=TIMEOUT, max_reconnects=0)
+
+    def send(self, msg_type: str, content: dict, channel: str = "shell") -> str:
+        return self.k.send(msg_type, content, channel=channel)
+
+    def recv(self, timeout: float) -> dict:
+        """The next message; ``sandgate_client.Timeout`` if none came in time."""
+        return self.k.recv(max(0.1, timeout))
+
+    def execute(self, code: str, on_result=None) -> dict:
+        """As ``WSKernel.execute``: once its execute_reply and idle status have both arrived."""
+        from sandgate_client import SandgateError
+
+        try:
+            ex = self.k.execute(code, timeout=TIMEOUT, on_result=(lambda r: on_result()) if on_result else None)
+        except SandgateError as e:
+            raise BenchError(f"kernel {self.id}: {code!r}: {type(e).__name__}: {e}") from None
+        if ex.status != "ok":
+            raise BenchError(f"kernel {self.id}: {code!r} failed: {ex.error}")
+        main = next((r.data for r in ex.results if r.is_main_result), None)
+        return {"reply": ex.reply, "result": main}
+
+    def close(self) -> None:
+        try:
+            self.k.close()
+        except Exception:
+            pass
+
+
 class ZMQKernel:
     """A local ipykernel driven directly over ZMQ."""
 
@@ -419,9 +458,12 @@ class GatewayTarget(Target):
         raise BenchError(f"{self.name} did not answer on port {self.port} within {self.startup:g} s:\n"
                          f"{self.log_tail()}")
 
-    def start_kernel(self) -> WSKernel:
+    def take_baseline(self) -> None:
         self.baseline = {"rss": own_memory(self.ps),
                          "children": {p.pid for p in self.ps.children()}} if self.ps else {}
+
+    def start_kernel(self) -> WSKernel:
+        self.take_baseline()
         try:
             status, body = self.request("POST", "/api/kernels", {"name": "python3"})
         except OSError as e:
@@ -515,6 +557,8 @@ class SandgateTarget(GatewayTarget):
         self.pool_wait = pool_wait
         self.started_ids: List[str] = []
         self.runtime_ids: List[str] = []
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sandboxes: Dict[str, object] = {}  # id: sandgate_client.Sandbox
 
     def command(self) -> List[str]:
         return [sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), "--token", self.token]
@@ -543,14 +587,58 @@ class SandgateTarget(GatewayTarget):
         if self.pool_wait:
             time.sleep(self.pool_wait)  # untimed: the pool refills after the previous start
 
-    def start_kernel(self) -> WSKernel:
-        k = super().start_kernel()
-        self.started_ids.append(k.id)
+    def sdk(self, what: str, fn):
+        """Call the SDK; its error as a BenchError with the gateway's log."""
+        from sandgate_client import SandgateError
+
+        try:
+            return fn()
+        except SandgateError as e:
+            raise BenchError(f"{self.name}: {what}: {type(e).__name__}: {e}\n{self.log_tail()}") from None
+
+    def handle(self, sid: str):
+        """The SDK's Sandbox for ``sid``: the one create or fork returned, else looked up."""
+        from sandgate_client import Sandbox
+
+        if sid not in self.sandboxes:
+            self.sandboxes[sid] = self.sdk(f"find sandbox {sid}", lambda: Sandbox.connect(sid, self.url, self.token))
+        return self.sandboxes[sid]
+
+    def start_kernel(self) -> SDKKernel:
+        """A sandbox (``Sandbox.create``) and its kernel websocket, both through the SDK."""
+        self.take_baseline()
+        sid = self.create_sandbox()
+        k = self.connect(sid)
+        self.kernels[sid] = k
         return k
 
+    def connect(self, sid: str) -> SDKKernel:
+        """The kernel websocket of sandbox ``sid`` (the SDK's KernelConnection)."""
+        return self.sdk(f"websocket to kernel {sid}", lambda: SDKKernel(self.url, self.token, sid))
+
+    def stop_kernel(self, kernel_or_id) -> None:
+        from sandgate_client import NotFound, Sandbox, SandgateError
+
+        kid = kernel_or_id if isinstance(kernel_or_id, str) else kernel_or_id.id
+        k = self.kernels.pop(kid, None)
+        if k:
+            k.close()
+        if self.proc and self.proc.poll() is None:
+            sb = self.sandboxes.pop(kid, None)
+            try:
+                (sb or Sandbox.connect(kid, self.url, self.token)).delete(timeout=60)
+            except NotFound:
+                pass
+            except SandgateError as e:
+                progress(f"warning: {self.name}: deleting sandbox {kid}: {e}")
+
     def runtime_id(self, sid: str) -> Optional[str]:
-        status, body = self.request("GET", f"/api/sandboxes/{sid}")
-        rid = body.get("runtime_id") if status == 200 and isinstance(body, dict) else None
+        from sandgate_client import SandgateError
+
+        try:
+            rid = self.handle(sid).refresh().raw.get("runtime_id")
+        except SandgateError:
+            rid = None
         if rid and rid not in self.runtime_ids:
             self.runtime_ids.append(rid)
         return rid
@@ -571,7 +659,7 @@ class SandgateTarget(GatewayTarget):
                 pass
         return procs
 
-    def memory(self, kernel: WSKernel) -> dict:
+    def memory(self, kernel: SDKKernel) -> dict:
         m = super().memory(kernel)
         sandbox = self.runtime_id(kernel.id)
         m["sandbox"] = sandbox
@@ -595,35 +683,43 @@ class SandgateTarget(GatewayTarget):
     def versions(self) -> dict:
         return {"sandgate": __version__}
 
-    # -- the sandbox API, for the checkpoint section ----------------------
-    def api(self, method: str, path: str, body=None, expect=(200,)):
-        try:
-            status, out = self.request(method, path, body)
-        except OSError as e:
-            raise BenchError(f"{self.name}: {method} {path} failed: {e}\n{self.log_tail()}") from None
-        if status not in expect:
-            raise BenchError(f"{self.name}: {method} {path} answered {status}: {out}\n{self.log_tail()}")
-        return out
+    # -- the sandbox API, through the SDK ---------------------------------
+    def create_sandbox(self, **create_args) -> str:
+        from sandgate_client import Sandbox
 
-    def create_sandbox(self) -> str:
-        sid = self.api("POST", "/api/sandboxes", {}, expect=(201,))["id"]
-        self.kernels[sid] = None  # deleted on the way out, whatever happens
-        self.started_ids.append(sid)
-        self.runtime_id(sid)
-        return sid
+        sb = self.sdk("create a sandbox", lambda: Sandbox.create(self.url, self.token, timeout=TIMEOUT, **create_args))
+        self.sandboxes[sb.id] = sb
+        self.kernels[sb.id] = None  # deleted on the way out, whatever happens
+        self.started_ids.append(sb.id)
+        rid = sb.info.raw.get("runtime_id")  # in create's answer: no extra request inside a timed start
+        if rid and rid not in self.runtime_ids:
+            self.runtime_ids.append(rid)
+        return sb.id
 
-    def run_cell(self, sid: str, code: str) -> dict:
-        out = self.api("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": TIMEOUT})
-        if out.get("status") != "ok":
-            raise BenchError(f"{self.name}: {code!r} in sandbox {sid} gave {out.get('status')}: {out.get('error')}")
-        return out
+    def run_cell(self, sid: str, code: str):
+        """``Sandbox.run_code``: the SDK's Execution."""
+        ex = self.sdk(f"{code!r} in sandbox {sid}", lambda: self.handle(sid).run_code(code, timeout=TIMEOUT))
+        if ex.status != "ok":
+            raise BenchError(f"{self.name}: {code!r} in sandbox {sid} gave {ex.status}: {ex.error}")
+        return ex
+
+    def checkpoint(self, sid: str):
+        return self.sdk(f"checkpoint {sid}", lambda: self.handle(sid).checkpoint(timeout=TIMEOUT))
+
+    def fork(self, sid: str, checkpoint: Optional[str] = None) -> str:
+        child = self.sdk(f"fork {sid}", lambda: self.handle(sid).fork(checkpoint, timeout=TIMEOUT))
+        self.sandboxes[child.id] = child
+        self.kernels[child.id] = None
+        self.started_ids.append(child.id)
+        return child.id
+
+    def pause(self, sid: str, mode: str = "disk"):
+        return self.sdk(f"pause {sid}", lambda: self.handle(sid).pause(mode, timeout=TIMEOUT))
 
 
-def cell_result(out: dict) -> Optional[str]:
-    for o in out.get("outputs", []):
-        if o.get("type") == "execute_result":
-            return (o.get("data") or {}).get("text/plain")
-    return None
+def cell_result(ex) -> Optional[str]:
+    """The text/plain of a cell's value (an SDK Execution)."""
+    return ex.text
 
 
 def dir_bytes(path: Path) -> Optional[int]:
@@ -662,7 +758,7 @@ def measure_checkpoints(t: SandgateTarget) -> dict:
     cps = []
     for i in range(CHECKPOINT_REPS):
         t0 = time.perf_counter()
-        cp = t.api("POST", f"/api/sandboxes/{sid}/checkpoints", {}, expect=(201,))
+        cp = t.checkpoint(sid).raw
         raw["checkpoint_s"].append(time.perf_counter() - t0)
         for key in ("state_bytes", "files_bytes", "new_bytes"):
             raw[key].append(cp.get(key))
@@ -671,9 +767,7 @@ def measure_checkpoints(t: SandgateTarget) -> dict:
                  f"state {mib(cp.get('state_bytes') or 0):.1f} MiB, new {cp.get('new_bytes')} B")
     for i in range(CHECKPOINT_REPS):
         t0 = time.perf_counter()
-        fork = t.api("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cps[i]}, expect=(201,))["id"]
-        t.kernels[fork] = None
-        t.started_ids.append(fork)
+        fork = t.fork(sid, cps[i])
         out = t.run_cell(fork, CODE)
         raw["fork_s"].append(time.perf_counter() - t0)
         if cell_result(out) != "2":
@@ -685,10 +779,10 @@ def measure_checkpoints(t: SandgateTarget) -> dict:
     for i in range(CHECKPOINT_REPS):
         rid = t.runtime_id(sid)
         t0 = time.perf_counter()
-        m = t.api("POST", f"/api/sandboxes/{sid}/pause", {})
+        m = t.pause(sid)
         raw["pause_s"].append(time.perf_counter() - t0)
-        if m.get("state") != "paused":
-            raise BenchError(f"{t.name}: sandbox {sid} is {m.get('state')!r} after pause")
+        if m.state != "paused":
+            raise BenchError(f"{t.name}: sandbox {sid} is {m.state!r} after pause")
         time.sleep(1.0)
         mem = runtime_memory([rid, sid])
         raw["paused_rss"].append(mem["rss"])

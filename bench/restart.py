@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import BenchError, SandgateTarget, WSKernel, _default_home, percentile, progress
+from .kernels import BenchError, SandgateTarget, _default_home, percentile, progress
 
 ROUND_TRIPS = 100
 CODE = "1+1"
 
 
 def round_trips(t: SandgateTarget, sid: str, n: int) -> List[float]:
-    k = WSKernel(t.port, t.token, sid)
+    k = t.connect(sid)
     try:
         for _ in range(5):
             k.execute(CODE)
@@ -85,7 +85,7 @@ def run(args) -> int:
             t1 = time.monotonic()
             out = t.run_cell(sid, "print(x)")
             first.append(time.monotonic() - t1)
-            if out["stdout"] != "41\n":
+            if out.stdout != "41\n":
                 raise BenchError(f"sandbox {sid} came back without its state: {out}")
             t.kernels[sid] = None  # deleted on the way out
         all_s = time.monotonic() - t0

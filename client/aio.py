@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 import uuid
 from typing import Any, Callable, List, Optional
@@ -17,10 +16,10 @@ from tornado.simple_httpclient import HTTPTimeoutError
 from tornado.websocket import WebSocketClosedError, websocket_connect
 
 from . import _api as api
+from . import _wire as wire
 from .errors import (AuthError, Conflict, NotFound, SandboxDied, SandgateError, Timeout, Unavailable,
                      error_from)
-from .kernel import output_of
-from .models import Checkpoint, Execution, ExecutionError, FileEntry, SandboxInfo
+from .models import Checkpoint, Execution, FileEntry, SandboxInfo
 
 
 class AsyncHTTP:
@@ -215,8 +214,8 @@ class AsyncSandbox:
         self.info = await self._http.call(api.set_egress(self.id, {"allow": allow or [], "deny": deny or []}, timeout))
         return self.info
 
-    async def kernel(self, timeout: float = 30.0) -> "AsyncKernelConnection":
-        k = AsyncKernelConnection(self._http.url, self._http.token, self.id, timeout=timeout)
+    async def kernel(self, timeout: float = 30.0, **options) -> "AsyncKernelConnection":
+        k = AsyncKernelConnection(self._http.url, self._http.token, self.id, timeout=timeout, **options)
         await k.connect()
         return k
 
@@ -259,16 +258,20 @@ class _Creating:
 
 
 class AsyncKernelConnection:
-    """The kernel websocket, asyncio (tornado's websocket client); as ``KernelConnection``."""
+    """The kernel websocket, asyncio (tornado's websocket client); as ``KernelConnection``
+    (the same ``session``, ``protocol``, ``on_message`` and ``max_reconnects`` options)."""
 
     def __init__(self, url: Optional[str], token: Optional[str], kernel_id: str, timeout: float = 30.0,
-                 session: Optional[str] = None, max_reconnects: int = 5):
+                 session: Optional[str] = None, max_reconnects: int = 5, protocol: str = "legacy",
+                 on_message: Optional[Callable[[dict], Any]] = None):
+        self._subprotocols = wire.check_protocol(protocol)
         url, self.token = api.settings(url, token)
         u = urlsplit(url)
         self.ws_url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) if u.scheme else url
         self.http_url = url
         self.kernel_id = kernel_id
         self.session = session or uuid.uuid4().hex
+        self.protocol, self.on_message = protocol, on_message
         self.timeout, self.max_reconnects, self.reconnects = timeout, max_reconnects, 0
         self.ws = None
 
@@ -278,7 +281,7 @@ class AsyncKernelConnection:
         req = HTTPRequest(f"{self.ws_url}/api/kernels/{self.kernel_id}/channels?session_id={self.session}",
                           headers=headers, connect_timeout=timeout, request_timeout=timeout)
         try:
-            self.ws = await asyncio.wait_for(websocket_connect(req), timeout + 5)
+            self.ws = await asyncio.wait_for(websocket_connect(req, subprotocols=self._subprotocols), timeout + 5)
         except HTTPClientError as e:
             if e.code == 599:
                 raise Unavailable(f"cannot reach the gateway at {self.http_url}: {e}", code="unreachable") from e
@@ -288,6 +291,10 @@ class AsyncKernelConnection:
             raise Timeout(f"websocket to {self.kernel_id}: no answer in {timeout:g} s", code="timeout") from e
         except OSError as e:
             raise Unavailable(f"cannot reach the gateway at {self.http_url}: {e}", code="unreachable") from e
+        if self._subprotocols and self.ws.selected_subprotocol != wire.V1:
+            self.ws.close()
+            raise Unavailable(f"the server at {self.http_url} did not agree to the {wire.V1} subprotocol",
+                              code="protocol")
 
     async def _reconnect(self, deadline: float) -> None:
         delay = 0.1
@@ -316,17 +323,15 @@ class AsyncKernelConnection:
         if stream is not None:
             stream.close()
 
-    async def send(self, msg_type: str, content: dict, channel: str = "shell", parent: Optional[dict] = None) -> str:
-        header = {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "session": self.session,
-                  "username": "sandgate-client", "date": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime()),
-                  "version": "5.3"}
-        frame = json.dumps({"header": header, "parent_header": parent or {}, "metadata": {}, "content": content,
-                            "channel": channel})
+    async def send(self, msg_type: str, content: dict, channel: str = "shell", parent: Optional[dict] = None,
+                   metadata: Optional[dict] = None, buffers: Optional[list] = None) -> str:
+        header = wire.header(msg_type, self.session)
+        frame = wire.encode(self.protocol, channel, header, parent, content, metadata, buffers)
         try:
-            await self.ws.write_message(frame)
+            await self.ws.write_message(frame, binary=isinstance(frame, bytes))
         except WebSocketClosedError:
             await self._reconnect(time.monotonic() + self.timeout)
-            await self.ws.write_message(frame)
+            await self.ws.write_message(frame, binary=isinstance(frame, bytes))
         return header["msg_id"]
 
     async def recv(self, timeout: Optional[float] = None) -> dict:
@@ -342,60 +347,44 @@ class AsyncKernelConnection:
             if data is None:  # closed
                 await self._reconnect(deadline)
                 continue
-            return json.loads(data)
+            m = wire.decode(self.protocol, data)
+            if self.on_message is not None:
+                self.on_message(m)
+            return m
 
     async def execute(self, code: str, *, on_stdout=None, on_stderr=None, on_result=None, on_error=None,
-                      on_output=None, timeout: float = 60.0) -> Execution:
-        msg_id = await self.send("execute_request", {"code": code, "silent": False, "store_history": True,
-                                                     "user_expressions": {}, "allow_stdin": False,
-                                                     "stop_on_error": True})
-        return await self.wait(msg_id, timeout, api.Callbacks(on_stdout, on_stderr, on_result, on_error, on_output))
+                      on_output=None, on_input=None, timeout: float = 60.0) -> Execution:
+        msg_id = await self.send("execute_request", wire.execute_content(code, on_input is not None))
+        return await self.wait(msg_id, timeout, api.Callbacks(on_stdout, on_stderr, on_result, on_error, on_output),
+                               on_input=on_input)
 
-    async def wait(self, msg_id: str, timeout: float = 60.0, callbacks: Optional[api.Callbacks] = None) -> Execution:
-        cb = callbacks or api.Callbacks()
-        reply, idle, interrupted = None, False, False
+    async def wait(self, msg_id: str, timeout: float = 60.0, callbacks: Optional[api.Callbacks] = None,
+                   on_input=None) -> Execution:
+        col = wire.Collector(self.kernel_id, msg_id, callbacks, on_input)
+        cb = col.cb
         deadline = time.monotonic() + timeout
-        while not (reply is not None and idle):
+        while not col.done:
             try:
                 m = await self.recv(max(0.0, deadline - time.monotonic()))
             except Timeout:
-                if interrupted:
+                if col.interrupted:
                     break  # interrupted, and still no reply: give up waiting
                 await self._interrupt()
                 # Wait (briefly) for the interrupted cell to end, or ipykernel would
                 # abort the next request as part of the failed cell's queue.
-                interrupted, deadline = True, time.monotonic() + 10
+                col.interrupted, deadline = True, time.monotonic() + 10
                 continue
-            if (m.get("parent_header") or {}).get("msg_id") != msg_id:
-                continue
-            t, c = m.get("msg_type") or m["header"]["msg_type"], m.get("content") or {}
-            if t == "execute_reply":
-                reply = c
-            elif t == "status":
-                if c.get("execution_state") == "dead":
-                    err = SandboxDied(f"kernel {self.kernel_id} is dead", code="conflict", state="dead")
-                    err.execution = cb.live
-                    raise err
-                idle = c.get("execution_state") == "idle"
-            else:
-                out = output_of(t, c)
-                if out:
-                    cb.output(out)
-                    if cb.pending:
-                        pending, cb.pending = cb.pending, []
-                        await asyncio.gather(*pending)
-        ex = cb.live
-        if interrupted:
-            ex.status = "timeout"
-            return api.finish(ex, timeout)
-        ex.execution_count = reply.get("execution_count")
-        ex.status = {"error": "error", "aborted": "aborted"}.get(reply.get("status"), "ok")
-        if ex.status == "aborted":  # ipykernel dropped it: an earlier cell failed or was interrupted
-            ex.error = ExecutionError("Aborted", "the kernel aborted this request (an earlier request in its queue "
-                                                 "failed or was interrupted)")
-        if reply.get("status") == "error" and ex.error is None:
-            ex.error = ExecutionError(reply.get("ename", ""), reply.get("evalue", ""), reply.get("traceback", []))
-        return api.finish(ex, timeout)
+            ask = col.feed(m)
+            if cb.pending:
+                pending, cb.pending = cb.pending, []
+                await asyncio.gather(*pending)
+            if ask is not None and on_input is not None:
+                c = ask.get("content") or {}
+                value = on_input(c.get("prompt", ""), bool(c.get("password")))
+                if inspect.isawaitable(value):
+                    value = await value
+                await self.send("input_reply", {"value": value}, channel="stdin", parent=ask["header"])
+        return col.finish(timeout)
 
     async def _interrupt(self) -> None:
         try:

@@ -92,6 +92,10 @@ class Execution:
     error: Optional[ExecutionError] = None
     outputs: List[dict] = field(default_factory=list)
     truncated: bool = False
+    # Over the kernel websocket only: every raw Jupyter message of this request (as
+    # KernelConnection.recv returns them) and the execute_reply's content.
+    messages: List[dict] = field(default_factory=list, repr=False)
+    reply: Optional[dict] = None
 
     @property
     def text(self) -> Optional[str]:

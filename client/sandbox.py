@@ -236,10 +236,11 @@ class Sandbox:
         self.info = self._http.call(api.set_egress(self.id, {"allow": allow or [], "deny": deny or []}, timeout))
         return self.info
 
-    def kernel(self, timeout: float = 30.0) -> "KernelConnection":
-        """The Jupyter websocket of this sandbox's kernel (reconnects with replay)."""
+    def kernel(self, timeout: float = 30.0, **options) -> "KernelConnection":
+        """The Jupyter websocket of this sandbox's kernel (reconnects with replay); ``options``:
+        ``session``, ``protocol``, ``on_message``, ``max_reconnects`` (``KernelConnection``)."""
         from .kernel import KernelConnection
-        return KernelConnection(self._http.url, self._http.token, self.id, timeout=timeout)
+        return KernelConnection(self._http.url, self._http.token, self.id, timeout=timeout, **options)
 
     def delete(self, timeout: Optional[float] = None) -> None:
         self._http.call(api.delete(self.id, timeout))

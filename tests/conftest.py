@@ -12,13 +12,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
-import websocket
 
 from sandgate.config import default_home
+from sandgate_client import Execution, Sandbox, SandboxDied, SandboxInfo, Timeout
+from sandgate_client.sandbox import HTTP
+from sandgate_client.kernel import KernelConnection
 from sandgate_images import rootfs as images
 
 HOME = Path(os.environ.get("SANDGATE_HOME") or default_home())
@@ -94,6 +95,25 @@ class Gateway:
         except urllib.error.HTTPError as e:
             return Response(e.code, e.headers, e.read())
 
+    def sandbox(self, sid: str) -> Sandbox:
+        """The SDK's handle on sandbox ``sid`` (no request: every call names the id)."""
+        return Sandbox(SandboxInfo.from_json({"id": sid}), HTTP(self.url, self.token, timeout=180))
+
+    def create(self, **body) -> dict:
+        """A sandbox through the SDK (``Sandbox.create``); the API's answer as a dict."""
+        return Sandbox.create(self.url, self.token, timeout=300, **body).info.raw
+
+    def run_code(self, sid: str, code: str, timeout: float = 60) -> Execution:
+        """A cell through the SDK's ``run_code``. A cell that timed out or whose sandbox died
+        comes back as its Execution (``status`` timeout, ``error.ename`` DeadKernelError) for
+        the test to look at, rather than raised."""
+        try:
+            return self.sandbox(sid).run_code(code, timeout=timeout)
+        except (Timeout, SandboxDied) as e:
+            if getattr(e, "execution", None) is None:
+                raise
+            return e.execution
+
     def start_kernel(self, name="python3", env=None) -> str:
         r = self.request("POST", "/api/kernels", {"name": name, **({"env": env} if env else {})})
         assert r.status == 201, r.body
@@ -113,80 +133,37 @@ class Gateway:
 
 
 class KernelClient:
-    """A plain websocket client speaking Jupyter messages, legacy or v1."""
+    """The SDK's KernelConnection (legacy or v1 frames), answering with the dict these tests
+    read. No reconnect: a dropped connection is a failure the test should see."""
 
     def __init__(self, gw: Gateway, kernel_id: str, v1=False, session=None):
-        from sandgate.api import wire
-
-        self.wire = wire
-        self.v1 = v1
         self.seen = []  # every message received, in order
-        self.session = session or uuid.uuid4().hex
-        url = f"ws://127.0.0.1:{gw.port}/api/kernels/{kernel_id}/channels?session_id={self.session}"
-        self.ws = websocket.create_connection(url, header=[f"Authorization: token {gw.token}"],
-                                              subprotocols=[wire.V1] if v1 else None, timeout=120)
+        self.k = KernelConnection(gw.url, gw.token, kernel_id, timeout=120, session=session,
+                                  protocol="v1" if v1 else "legacy", on_message=self.seen.append, max_reconnects=0)
+        self.session = self.k.session
+        self.ws = self.k.ws  # the raw socket, for the tests that send bad frames at the edge
 
     def send(self, msg_type, content, channel="shell", parent=None) -> str:
-        header = {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "session": self.session, "username": "test",
-                  "date": "2026-01-01T00:00:00.000000Z", "version": "5.3"}
-        if self.v1:
-            parts = [json.dumps(x).encode() for x in (header, parent or {}, {}, content)]
-            self.ws.send_binary(self.wire.encode_v1(channel, parts))
-        else:
-            self.ws.send(json.dumps({"header": header, "parent_header": parent or {}, "metadata": {},
-                                     "content": content, "channel": channel}))
-        return header["msg_id"]
-
-    def _recv(self, timeout) -> dict:
-        self.ws.settimeout(timeout)
-        opcode, data = self.ws.recv_data()
-        if self.v1:
-            assert opcode == websocket.ABNF.OPCODE_BINARY
-            n = int.from_bytes(data[:8], "little")
-            offs = [int.from_bytes(data[8 * (i + 1):8 * (i + 2)], "little") for i in range(n)]
-            channel = data[offs[0]:offs[1]].decode()
-            parts = [data[offs[i]:offs[i + 1]] for i in range(1, n - 1)]
-            header, parent, meta, content = (json.loads(p) for p in parts[:4])
-            return {"channel": channel, "header": header, "msg_type": header["msg_type"], "parent_header": parent,
-                    "metadata": meta, "content": content, "buffers": parts[4:]}
-        return json.loads(data)
+        return self.k.send(msg_type, content, channel=channel, parent=parent)
 
     def recv(self, timeout=120) -> dict:
-        m = self._recv(timeout)
-        self.seen.append(m)
-        return m
+        return self.k.recv(timeout)
 
-    def execute(self, code, timeout=120, stdin_reply=None, allow_stdin=False) -> dict:
-        """Run a cell; collect its iopub output and reply until it is idle."""
-        mid = self.send("execute_request", {"code": code, "silent": False, "store_history": True,
-                                            "user_expressions": {}, "allow_stdin": allow_stdin or bool(stdin_reply)})
-        out = {"msgs": [], "stdout": "", "stderr": "", "results": [], "displays": [], "errors": [], "reply": None}
-        idle = False
-        deadline = time.monotonic() + timeout
-        while not (idle and out["reply"]):
-            m = self.recv(max(1, deadline - time.monotonic()))
-            if m["parent_header"].get("msg_id") != mid:
-                continue
-            out["msgs"].append(m)
-            t, c = m["msg_type"], m["content"]
-            if t == "stream":
-                out[c["name"]] += c["text"]
-            elif t == "execute_result":
-                out["results"].append(c["data"])
-            elif t == "display_data":
-                out["displays"].append(c["data"])
-            elif t == "error":
-                out["errors"].append(c)
-            elif t == "execute_reply":
-                out["reply"] = c
-            elif t == "input_request" and stdin_reply is not None:
-                self.send("input_reply", {"value": stdin_reply}, channel="stdin", parent=m["header"])
-            elif t == "status" and c["execution_state"] == "idle":
-                idle = True
-        return out
+    def execute(self, code, timeout=120, stdin_reply=None) -> dict:
+        """Run a cell; its iopub output and reply once it is idle."""
+        try:
+            ex = self.k.execute(code, timeout=timeout,
+                                on_input=None if stdin_reply is None else lambda prompt, password: stdin_reply)
+        except SandboxDied as e:  # these tests look at what the wire said about the death
+            ex = e.execution
+        msgs = ex.messages
+        of = lambda kind: [m["content"] for m in msgs if m["msg_type"] == kind]  # noqa: E731
+        return {"msgs": msgs, "stdout": ex.stdout, "stderr": ex.stderr, "reply": ex.reply,
+                "results": [c["data"] for c in of("execute_result")], "displays": [c["data"] for c in of("display_data")],
+                "errors": of("error")}
 
     def close(self):
-        self.ws.close()
+        self.k.close()
 
 
 @pytest.fixture(scope="module")

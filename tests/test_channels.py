@@ -93,7 +93,7 @@ def test_restart_clears_state(gateway):
 
 
 def test_garbage_frames_are_ignored(gateway, kernel):
-    c = gateway.connect(kernel)
+    c = gateway.connect(kernel)  # bad frames go through c.ws, the raw socket: the SDK cannot send them
     c.ws.send("not json")
     c.ws.send(json.dumps({"foo": 1}))
     c.ws.send(json.dumps({"channel": "nochan", "header": {"msg_id": "1", "msg_type": "x"}, "content": {}}))
@@ -113,7 +113,7 @@ def test_garbage_frames_are_ignored(gateway, kernel):
 
 
 def test_oversized_message_closes_that_socket_only(gateway, kernel):
-    c = gateway.connect(kernel)
+    c = gateway.connect(kernel)  # the raw socket (c.ws): the frame and the close code are the test
     try:
         c.ws.send("x" * (65 << 20))  # over the 64 MB bound
     except (BrokenPipeError, ConnectionResetError, websocket.WebSocketConnectionClosedException):
@@ -173,6 +173,7 @@ def test_output_while_disconnected_is_replayed(gateway, kernel):
 
 
 def test_websocket_errors(gateway, kernel):
+    """Raw websocket-client on purpose: the HTTP statuses of the upgrade are what is tested."""
     import uuid
 
     with pytest.raises(websocket.WebSocketBadStatusException) as e:

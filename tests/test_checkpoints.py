@@ -14,15 +14,11 @@ from conftest import Gateway, wait_for
 
 
 def ex(gw, sid, code, timeout=60):
-    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout})
-    assert r.status == 200, r.body
-    return r.json()
+    return gw.run_code(sid, code, timeout)  # the SDK (conftest); this file's raw calls test the API itself
 
 
 def create(gw, **body):
-    r = gw.request("POST", "/api/sandboxes", body)
-    assert r.status == 201, r.body
-    return r.json()
+    return gw.create(**body)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +42,12 @@ def tick():
         ticks[0] += 1; time.sleep(0.05)
 t = threading.Thread(target=tick, daemon=True); t.start()
 print(x)""")
-    assert out["stdout"] == "41\n"
+    assert out.stdout == "41\n"
     r = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "x41"})
     assert r.status == 201, r.body
     cp = r.json()
     assert cp["name"] == "x41" and cp["sandbox"] == sid and cp["state_bytes"] > 1 << 20 and cp["file_count"] >= 1
-    assert ex(gw, sid, "x += 1; print(x)")["stdout"] == "42\n"
+    assert ex(gw, sid, "x += 1; print(x)").stdout == "42\n"
 
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 201, r.body
@@ -62,11 +58,11 @@ x += 100
 before = ticks[0]; time.sleep(0.5)
 f.write('fork\\n'); f.flush()
 print(x, t.is_alive(), ticks[0] > before, numpy.__name__, open('log.txt').read().split())""")
-    assert out["stdout"] == "141 True True numpy ['before', 'fork']\n", out
+    assert out.stdout == "141 True True numpy ['before', 'fork']\n", out
     # Restoring the same checkpoint again gives 41 again; the original is untouched.
     again = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]}).json()
-    assert ex(gw, again["id"], "print(x, open('log.txt').read().split())")["stdout"] == "41 ['before']\n"
-    assert ex(gw, sid, "print(x)")["stdout"] == "42\n"
+    assert ex(gw, again["id"], "print(x, open('log.txt').read().split())").stdout == "41 ['before']\n"
+    assert ex(gw, sid, "print(x)").stdout == "42\n"
 
     # A fork is a Jupyter kernel too: reachable over the websocket by its id.
     c = gw.connect(fork["id"])
@@ -88,8 +84,8 @@ def test_kernel_from_jupyter_api_can_fork_from_now(gw):
     r = gw.request("POST", f"/api/sandboxes/{kid}/fork", {})
     assert r.status == 201, r.body
     fork = r.json()
-    assert ex(gw, fork["id"], "print(seed)")["stdout"] == "7\n"
-    assert ex(gw, kid, "print(seed)")["stdout"] == "7\n"
+    assert ex(gw, fork["id"], "print(seed)").stdout == "7\n"
+    assert ex(gw, kid, "print(seed)").stdout == "7\n"
     assert len(gw.request("GET", f"/api/sandboxes/{kid}/checkpoints").json()) == 1
     gw.request("DELETE", f"/api/kernels/{fork['id']}")
     gw.request("DELETE", f"/api/kernels/{kid}")
@@ -126,7 +122,7 @@ def test_pause_frees_memory_and_resume_is_transparent(gw):
     assert c.execute("y + str(len(data))")["results"][0]["text/plain"] == "'kept1000'"
     assert gw.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "running"
     gw.request("POST", f"/api/sandboxes/{sid}/pause")
-    assert ex(gw, sid, "print(y)")["stdout"] == "kept\n"  # the API resumes too
+    assert ex(gw, sid, "print(y)").stdout == "kept\n"  # the API resumes too
     c.close()
     gw.request("DELETE", f"/api/sandboxes/{sid}")
 
@@ -137,11 +133,11 @@ def test_idle_sandboxes_pause_themselves(home, tmp_path):
         sid = create(g)["id"]
         ex(g, sid, "z = 99")
         wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "paused", timeout=30)
-        assert ex(g, sid, "print(z)")["stdout"] == "99\n"
+        assert ex(g, sid, "print(z)").stdout == "99\n"
         # One paused in memory still holds its memory: idle, it goes to disk too.
         assert g.request("POST", f"/api/sandboxes/{sid}/pause", {"mode": "memory"}).json()["pause_mode"] == "memory"
         wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["pause_mode"] == "disk", timeout=30)
-        assert ex(g, sid, "print(z)")["stdout"] == "99\n"
+        assert ex(g, sid, "print(z)").stdout == "99\n"
     finally:
         g.stop()
 
@@ -151,14 +147,14 @@ def test_checkpoint_while_a_cell_runs_captures_it(gw):
     every fork each finish it."""
     sid = create(gw)["id"]
     result = {}
-    t = threading.Thread(target=lambda: result.update(ex(gw, sid, "import time\ntime.sleep(3)\nprint('done')")))
+    t = threading.Thread(target=lambda: result.update(out=ex(gw, sid, "import time\ntime.sleep(3)\nprint('done')")))
     t.start()
     wait_for(lambda: gw.request("GET", f"/api/sandboxes/{sid}").json()["execution_state"] == "busy")
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
     t.join(60)
-    assert result["stdout"] == "done\n"
+    assert result["out"].stdout == "done\n"
     fork = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]}).json()
-    assert ex(gw, fork["id"], "print('fork alive')")["stdout"] == "fork alive\n"
+    assert ex(gw, fork["id"], "print('fork alive')").stdout == "fork alive\n"
     gw.request("DELETE", f"/api/sandboxes/{fork['id']}")
     gw.request("DELETE", f"/api/sandboxes/{sid}")
 
@@ -177,8 +173,8 @@ def test_bad_requests(gw):
     assert r.status == 404
     assert gw.request("GET", f"/api/sandboxes/{sid}/files/../../etc/passwd").status in (403, 404)
     out = ex(gw, sid, "import time\nwhile True: time.sleep(0.1)", timeout=2)
-    assert out["status"] == "timeout"
-    assert ex(gw, sid, "print('after timeout')")["stdout"] == "after timeout\n"
+    assert out.status == "timeout"
+    assert ex(gw, sid, "print('after timeout')").stdout == "after timeout\n"
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
     assert gw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
     # Forking a deleted sandbox is a clear 404, whatever the checkpoint.
@@ -193,7 +189,7 @@ def test_files_api(gw):
                    headers={"Content-Type": "application/octet-stream"})
     assert r.status == 201 and r.json()["size"] == len(blob)
     assert gw.request("GET", f"/api/sandboxes/{sid}/files/data/blob.bin").body == blob
-    assert ex(gw, sid, "print(len(open('data/blob.bin','rb').read()))")["stdout"] == f"{len(blob)}\n"
+    assert ex(gw, sid, "print(len(open('data/blob.bin','rb').read()))").stdout == f"{len(blob)}\n"
     listing = gw.request("GET", f"/api/sandboxes/{sid}/files/data").json()["entries"]
     assert [e["name"] for e in listing] == ["blob.bin"]
     assert gw.request("DELETE", f"/api/sandboxes/{sid}/files/data/blob.bin").status == 204
@@ -204,11 +200,11 @@ def test_files_api(gw):
 def test_execute_outputs(gw):
     sid = create(gw)["id"]
     out = ex(gw, sid, "%matplotlib inline\nimport matplotlib.pyplot as plt\nprint('hi')\nplt.plot([1,2]); plt.show()\n1+1")
-    kinds = [o["type"] for o in out["outputs"]]
-    assert out["status"] == "ok" and "display_data" in kinds and kinds[-1] == "execute_result"
-    assert any("image/png" in o["data"] for o in out["outputs"] if o["type"] == "display_data")
+    kinds = [o["type"] for o in out.outputs]
+    assert out.status == "ok" and "display_data" in kinds and kinds[-1] == "execute_result"
+    assert any("image/png" in o["data"] for o in out.outputs if o["type"] == "display_data")
     out = ex(gw, sid, "1/0")
-    assert out["status"] == "error" and out["error"]["ename"] == "ZeroDivisionError" and out["error"]["traceback"]
+    assert out.status == "error" and out.error.ename == "ZeroDivisionError" and out.error.traceback
     gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
@@ -259,7 +255,7 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
         f.write(os.urandom(4096))
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "failed to restore" in r.json()["message"]
-    assert ex(gw, sid, "print(v)")["stdout"] == "1\n"  # the source is unharmed
+    assert ex(gw, sid, "print(v)").stdout == "1\n"  # the source is unharmed
     image.unlink()
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "checkpoint image missing" in r.json()["message"]
@@ -277,7 +273,7 @@ def test_disk_full_during_checkpoint(home, tmp_path):
         r = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
         assert r.status == 503 and "checkpoint" in r.json()["message"]
         assert g.request("GET", f"/api/sandboxes/{sid}/checkpoints").json() == []
-        assert ex(g, sid, "print(w)")["stdout"] == "still here\n"
+        assert ex(g, sid, "print(w)").stdout == "still here\n"
         assert list(small.iterdir()) == []  # nothing half-written is left
     finally:
         g.stop()
@@ -311,6 +307,6 @@ def test_gateway_killed_mid_checkpoint(home, tmp_path):
             r = g2.request("POST", "/api/sandboxes", {"checkpoint": c["id"]})
             assert r.status == 201, r.body
             code = "print(q)" if c["sandbox"] == sid else "print(5)"
-            assert ex(g2, r.json()["id"], code)["stdout"] == "5\n"
+            assert ex(g2, r.json()["id"], code).stdout == "5\n"
     finally:
         g2.stop()

@@ -255,6 +255,37 @@ def test_kernel_websocket_execute_and_reconnect_with_replay(sb):
         assert k.execute("'after'", timeout=60).text == "'after'"
 
 
+def test_kernel_websocket_v1_sessions_raw_messages_and_input(sb):
+    from sandgate_client.kernel import V1
+
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        sb.kernel(protocol="v2")
+    seen = []
+    with sb.kernel(session="sdk-alpha") as a, sb.kernel(protocol="v1", session="sdk-beta", on_message=seen.append) as b:
+        assert b.ws.subprotocol == V1 and a.ws.subprotocol is None
+        assert (a.session, b.session) == ("sdk-alpha", "sdk-beta")
+        ex = a.execute("import sys; print('out'); sys.stdout.flush(); 1 + 1")
+        assert ex.text == "2" and ex.reply["status"] == "ok" and ex.reply["execution_count"] == ex.execution_count
+        kinds = [m["msg_type"] for m in ex.messages]
+        assert kinds[0] == "status" and {"execute_input", "stream", "execute_result", "execute_reply"} <= set(kinds)
+        assert all(m["parent_header"]["session"] == "sdk-alpha" for m in ex.messages)
+        # The v1 connection, in its binary frames: its own request, with stdin answered by on_input.
+        prompts = []
+        ex = b.execute("name = input('who? ')\nprint('hello', name)",
+                       on_input=lambda prompt, password: prompts.append((prompt, password)) or "sandgate")
+        assert ex.stdout == "hello sandgate\n" and prompts == [("who? ", False)]
+        assert any(m["channel"] == "stdin" and m["msg_type"] == "input_request" for m in ex.messages)
+        assert all(isinstance(m["buffers"], list) for m in seen)
+        # iopub reaches both connections; alpha's execute_reply went to alpha's session only.
+        alpha = [m for m in seen if m["parent_header"].get("session") == "sdk-alpha"]
+        ex_a_id = alpha[0]["parent_header"]["msg_id"]
+        assert any(m["msg_type"] == "execute_result" for m in alpha)
+        assert not any(m["msg_type"] == "execute_reply" and m["parent_header"]["msg_id"] == ex_a_id for m in seen)
+        # Without on_input, input() fails in the kernel rather than waiting for an answer.
+        ex = a.execute("input('nobody answers')")
+        assert ex.status == "error" and ex.error.ename == "StdinNotImplementedError"
+
+
 # -- asyncio ------------------------------------------------------------------------
 def test_async_sandbox(gw):
     from sandgate_client import AsyncSandbox
@@ -309,6 +340,17 @@ def test_async_sandbox(gw):
                 assert e.value.execution.status == "timeout"
                 # The interrupted cell ended before Timeout was raised: the next one is not aborted.
                 assert (await k.execute("'after'")).text == "'after'"
+            seen = []
+            async with await sb.kernel(protocol="v1", session="async-v1", on_message=seen.append) as v:
+                assert v.ws.selected_subprotocol == "v1.kernel.websocket.jupyter.org"
+
+                async def answer(prompt, password):  # a coroutine on_input is awaited
+                    return "async " + prompt
+
+                ex = await v.execute("print(input('x'))", on_input=answer)
+                assert ex.stdout == "async x\n" and ex.reply["status"] == "ok"
+                assert [m["msg_type"] for m in ex.messages][-1] in ("status", "execute_reply")
+                assert all(m["parent_header"]["session"] == "async-v1" for m in ex.messages) and seen
             sid = sb.id
             assert sid in {s.id for s in await AsyncSandbox.list(gw.url, gw.token)}
         with pytest.raises(NotFound):

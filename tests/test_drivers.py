@@ -15,15 +15,11 @@ from sandgate.drivers.base import socket_dir
 from sandgate.workspace import sandbox_uid
 
 def ex(gw, sid, code, timeout=120):
-    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": timeout})
-    assert r.status == 200, r.body
-    return r.json()
+    return gw.run_code(sid, code, timeout)  # the SDK (conftest)
 
 
 def create(gw, **body):
-    r = gw.request("POST", "/api/sandboxes", {"driver": gw.driver, **body})
-    assert r.status == 201, r.body
-    return r.json()
+    return gw.create(driver=gw.driver, **body)
 
 
 def host_processes(kernel_id):
@@ -64,7 +60,7 @@ def sb(gw, shared):
             sid = shared["id"] = None
     if not sid:
         sid = shared["id"] = create(gw)["id"]
-    assert ex(gw, sid, "x = 41")["status"] == "ok"  # resumes it, too, if a test left it paused
+    assert ex(gw, sid, "x = 41").status == "ok"  # resumes it, too, if a test left it paused
     assert gw.request("PUT", f"/api/sandboxes/{sid}/files/data/in.txt", raw=IN_TXT).status == 201
     return sid
 
@@ -76,9 +72,9 @@ def test_start_execute_and_files(gw, sb):
     # gVisor's files reach the host as the sandbox user's: a uid no host account has.
     # A VM's uid stays inside its own disk image.
     uid = sandbox_uid() if gw.driver == "gvisor" else 1000
-    assert out["status"] == "ok" and out["stdout"] == f"41 7 {uid} /workspace\n"
+    assert out.status == "ok" and out.stdout == f"41 7 {uid} /workspace\n"
     assert gw.request("PUT", f"/api/sandboxes/{sb}/files/data/new.txt", raw=b"new from the host").status == 201
-    assert ex(gw, sb, "print(open('data/new.txt').read())")["stdout"] == "new from the host\n"
+    assert ex(gw, sb, "print(open('data/new.txt').read())").stdout == "new from the host\n"
     ex(gw, sb, "open('out.bin', 'wb').write(bytes(range(256)))")
     r = gw.request("GET", f"/api/sandboxes/{sb}/files/out.bin")
     assert r.status == 200 and r.body == bytes(range(256))
@@ -92,8 +88,8 @@ def test_start_execute_and_files(gw, sb):
 
 def test_interrupt_a_running_cell(gw, sb):
     out = ex(gw, sb, "import time\nfor i in range(600): time.sleep(0.1)", timeout=3)
-    assert out["status"] == "timeout" and out["error"]["ename"] == "KeyboardInterrupt", out
-    assert ex(gw, sb, "print(x)")["stdout"] == "41\n"  # interrupted, not restarted
+    assert out.status == "timeout" and out.error.ename == "KeyboardInterrupt", out
+    assert ex(gw, sb, "print(x)").stdout == "41\n"  # interrupted, not restarted
 
 
 def test_checkpoint_fork_41_42_141_41(gw, sb):
@@ -102,18 +98,18 @@ def test_checkpoint_fork_41_42_141_41(gw, sb):
     assert r.status == 201, r.body
     cp = r.json()
     assert cp["sandbox"] == sb and cp["state_bytes"] > 1 << 20
-    assert ex(gw, sb, "x += 1; print(x)")["stdout"] == "42\n"
+    assert ex(gw, sb, "x += 1; print(x)").stdout == "42\n"
     fork = gw.request("POST", f"/api/sandboxes/{sb}/fork", {"checkpoint": cp["id"]})
     assert fork.status == 201, fork.body
     fid = fork.json()["id"]
     assert fork.json()["driver"] == gw.driver
     out = ex(gw, fid, "x += 100\nf.write('fork\\n'); f.flush()\nprint(x, open('log.txt').read().split())")
-    assert out["stdout"] == "141 ['before', 'fork']\n", out
+    assert out.stdout == "141 ['before', 'fork']\n", out
     again = gw.request("POST", f"/api/sandboxes/{sb}/fork", {"checkpoint": cp["id"]}).json()["id"]
-    assert ex(gw, again, "print(x, open('log.txt').read().split())")["stdout"] == "41 ['before']\n"
-    assert ex(gw, sb, "print(x, open('log.txt').read().split())")["stdout"] == "42 ['before']\n"
+    assert ex(gw, again, "print(x, open('log.txt').read().split())").stdout == "41 ['before']\n"
+    assert ex(gw, sb, "print(x, open('log.txt').read().split())").stdout == "42 ['before']\n"
     # The restored guest's clock is the host's, not the one it was saved with.
-    assert abs(float(ex(gw, again, "import time; print(time.time())")["stdout"]) - time.time()) < 5
+    assert abs(float(ex(gw, again, "import time; print(time.time())").stdout) - time.time()) < 5
     for s in (fid, again):
         assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
         assert host_processes(s) == []
@@ -149,7 +145,7 @@ def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
     assert host_processes(sb) == []  # nothing runs while paused
     out = ex(gw, sb, "x += 1; f.write('after\\n'); f.flush()\n"  # the next call resumes it, open file and all
                      "print(x, open('log.txt').read().split())")
-    assert out["stdout"] == "42 ['before', 'after']\n", out
+    assert out.stdout == "42 ['before', 'after']\n", out
     assert gw.request("GET", f"/api/sandboxes/{sb}").json()["state"] == "running"
     assert host_processes(sb)
 
@@ -157,7 +153,7 @@ def test_pause_frees_the_sandbox_and_resume_keeps_state(gw, sb):
 def test_pause_in_memory_stops_the_sandbox_where_it_is(gw, sb):
     ex(gw, sb, "import threading, time\nticks = 0\ndef _tick():\n    global ticks\n    while True:\n"
                "        ticks += 1\n        time.sleep(0.01)\nthreading.Thread(target=_tick, daemon=True).start()")
-    ticks = lambda: int(ex(gw, sb, "print(ticks)")["stdout"])  # noqa: E731
+    ticks = lambda: int(ex(gw, sb, "print(ticks)").stdout)  # noqa: E731
     a, t0 = ticks(), time.monotonic()
     wait_for(lambda: ticks() - a >= 100, timeout=60)  # it counts while it runs
     rate = (ticks() - a) / (time.monotonic() - t0)  # ticks per second, calls included
@@ -176,7 +172,7 @@ def test_pause_in_memory_stops_the_sandbox_where_it_is(gw, sb):
     assert frozen < rate * frozen_for / 2, (rate, frozen)  # it did not run while frozen
     # A call on a sandbox paused in memory resumes it, as with a pause to disk.
     assert gw.request("POST", f"/api/sandboxes/{sb}/pause", {"mode": "memory"}).status == 200
-    assert ex(gw, sb, "print(x)")["stdout"] == "41\n"
+    assert ex(gw, sb, "print(x)").stdout == "41\n"
     assert gw.request("GET", f"/api/sandboxes/{sb}").json()["state"] == "running"
     bad = gw.request("POST", f"/api/sandboxes/{sb}/pause", {"mode": "swap"})
     assert bad.status == 400 and "mode" in bad.json()["message"], bad.body
@@ -185,8 +181,8 @@ def test_pause_in_memory_stops_the_sandbox_where_it_is(gw, sb):
 def test_restart_keeps_files_and_drops_variables(gw, sb):
     assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200
     out = ex(gw, sb, "print('x' in globals(), open('data/in.txt').read())")
-    assert out["stdout"] == "False from the host\n"
-    assert ex(gw, sb, "x = 41")["status"] == "ok"  # a restart leaves a kernel that works
+    assert out.stdout == "False from the host\n"
+    assert ex(gw, sb, "x = 41").status == "ok"  # a restart leaves a kernel that works
 
 
 def test_output_flood_keeps_the_gateway_responsive(gw, sb):
@@ -204,7 +200,7 @@ def test_output_flood_keeps_the_gateway_responsive(gw, sb):
         idle = m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
     c.close()
     assert got == 20000 * 1000  # every byte, in order of arrival
-    assert ex(gw, sb, "print(1 + 1)")["stdout"] == "2\n"
+    assert ex(gw, sb, "print(1 + 1)").stdout == "2\n"
 
 
 def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
@@ -219,7 +215,7 @@ def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
     r = gw.request("POST", f"/api/sandboxes/{sb}/execute", {"code": "1"})
     assert r.status in (409, 500) and "dead" in r.json()["message"], r.body
     assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200  # a new sandbox, same workspace
-    assert ex(gw, sb, "print(open('data/in.txt').read())")["stdout"] == "from the host\n"
+    assert ex(gw, sb, "print(open('data/in.txt').read())").stdout == "from the host\n"
 
 
 def test_memory_limit_holds(gw):
@@ -237,7 +233,7 @@ def test_memory_limit_holds(gw):
             assert "memory" in info["reason"] or "killed" in info["reason"], info
         assert gw.request("GET", "/api").status == 200
         assert gw.request("POST", f"/api/kernels/{s}/restart").status == 200
-        assert ex(gw, s, "print(1 + 1)")["stdout"] == "2\n"
+        assert ex(gw, s, "print(1 + 1)").stdout == "2\n"
     finally:
         gw.request("DELETE", f"/api/sandboxes/{s}")
 

@@ -32,11 +32,9 @@ def egw(home, upstream, tmp_path_factory):
 
 
 def ex(gw, sid, code):
-    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code})
-    assert r.status == 200, r.body
-    out = r.json()
-    assert out["error"] is None, out["error"]
-    return out["stdout"]
+    out = gw.run_code(sid, code)  # the SDK (conftest)
+    assert out.error is None, out.error
+    return out.stdout
 
 
 # Fetch a URL through whatever proxy the environment names now (a fresh opener each time: urllib's
@@ -150,7 +148,7 @@ def test_the_policy_changes_while_it_runs_and_survives_a_checkpoint_and_a_fork(e
 
 
 def test_without_a_policy_a_sandbox_has_no_network_at_all(egw):
-    sid = egw.request("POST", "/api/sandboxes", {}).json()["id"]
+    sid = egw.create()["id"]
     try:
         out = ex(egw, sid, "import os, socket\n"
                            "print(sorted(k for k in os.environ if 'proxy' in k.lower()))\n"
@@ -180,7 +178,7 @@ def test_bad_policies_and_secrets_are_400s_naming_the_field_and_never_echo_a_val
 def test_secrets_need_a_policy_and_a_patch_is_checked_too(egw, upstream):
     r = egw.request("POST", "/api/sandboxes", {"secrets": SECRETS[:1]})
     assert r.status == 400 and "egress" in r.json()["message"], r.body
-    sid = egw.request("POST", "/api/sandboxes", {}).json()["id"]
+    sid = egw.create()["id"]
     try:
         r = egw.request("PATCH", f"/api/sandboxes/{sid}/egress", {"allow": ["*.*.bad*"]})
         assert r.status == 400 and "allow" in r.json()["message"], r.body

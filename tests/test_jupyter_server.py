@@ -51,6 +51,7 @@ def test_jupyter_server_gateway_client(gateway, tmp_path):
         assert gateway.request("GET", f"/api/kernels/{kid}").status == 200
 
         sid = uuid.uuid4().hex
+        # Raw: a Jupyter client of jupyter_server (not of Sandgate), as a browser's would be.
         ws = websocket.create_connection(f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels?session_id={sid}",
                                          header=["Authorization: token jtok"], timeout=120)
         msg_id = uuid.uuid4().hex

@@ -20,9 +20,7 @@ KEEP = {"SANDGATE_KEEP_SANDBOXES": "true"}
 
 
 def ex(gw, sid, code):
-    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code})
-    assert r.status == 200, r.body
-    return r.json()
+    return gw.run_code(sid, code)  # the SDK (conftest)
 
 
 def again(gw: Gateway, home, tmp_path, env=None) -> Gateway:
@@ -39,11 +37,11 @@ def test_sigterm_pauses_everything_and_the_next_gateway_resumes_it(driver, home,
     env = {**KEEP, "SANDGATE_WARM_START": "false" if driver == "qemu" else "true"}
     g = Gateway(home, tmp_path, env=env)
     try:
-        kid = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+        kid = g.create(driver=driver)["id"]
         c = g.connect(kid)
         assert c.execute("x = 41")["reply"]["status"] == "ok"
         c.close()
-        other = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+        other = g.create(driver=driver)["id"]
         ex(g, other, "y = 'paused before'")
         assert g.request("POST", f"/api/sandboxes/{other}/pause").json()["state"] == "paused"
     finally:
@@ -58,7 +56,7 @@ def test_sigterm_pauses_everything_and_the_next_gateway_resumes_it(driver, home,
         c = g2.connect(kid)  # the same kernel id, over the Jupyter websocket
         assert c.execute("x + 1")["results"][0]["text/plain"] == "42"
         c.close()
-        assert ex(g2, other, "print(y)")["stdout"] == "paused before\n"
+        assert ex(g2, other, "print(y)").stdout == "paused before\n"
         assert g2.request("GET", f"/api/sandboxes/{kid}").json()["state"] == "running"
         for sid in (kid, other):
             assert g2.request("DELETE", f"/api/sandboxes/{sid}").status == 204
@@ -90,9 +88,9 @@ def test_after_sigkill_running_and_frozen_sandboxes_are_adopted_with_their_state
         vm.build(home)
     env = {**KEEP, "SANDGATE_WARM_START": "false"}
     g = Gateway(home, tmp_path, env=env)
-    running = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+    running = g.create(driver=driver)["id"]
     ex(g, running, "x = 41")
-    frozen = g.request("POST", "/api/sandboxes", {"driver": driver}).json()["id"]
+    frozen = g.create(driver=driver)["id"]
     ex(g, frozen, "y = 'in memory'")
     assert g.request("POST", f"/api/sandboxes/{frozen}/pause", {"mode": "memory"}).json()["state"] == "frozen"
     before = {s["id"]: s["runtime_id"] for s in g.request("GET", "/api/sandboxes").json()}
@@ -108,10 +106,10 @@ def test_after_sigkill_running_and_frozen_sandboxes_are_adopted_with_their_state
         assert c.execute("x + 1")["results"][0]["text/plain"] == "42"
         c.close()
         assert g2.request("POST", f"/api/sandboxes/{frozen}/resume").json()["state"] == "running"
-        assert ex(g2, frozen, "print(y)")["stdout"] == "in memory\n"
+        assert ex(g2, frozen, "print(y)").stdout == "in memory\n"
         # Adopted runtimes are this gateway's like any other: a checkpoint and a delete work.
         assert g2.request("POST", f"/api/sandboxes/{running}/checkpoints", {}).status == 201
-        assert ex(g2, running, "print(x)")["stdout"] == "41\n"
+        assert ex(g2, running, "print(x)").stdout == "41\n"
         for sid in (running, frozen):
             assert g2.request("DELETE", f"/api/sandboxes/{sid}").status == 204
         wait_for(lambda: not runtimes(g2, driver), timeout=30)
@@ -121,11 +119,11 @@ def test_after_sigkill_running_and_frozen_sandboxes_are_adopted_with_their_state
 
 def test_after_sigkill_with_its_runtime_gone_a_sandbox_resumes_from_its_newest_checkpoint_or_is_dead(home, tmp_path):
     g = Gateway(home, tmp_path, env=KEEP)
-    saved = g.request("POST", "/api/sandboxes", {}).json()["id"]
+    saved = g.create()["id"]
     ex(g, saved, "x = 41\nopen('kept.txt', 'w').write('files too')")
     cp = g.request("POST", f"/api/sandboxes/{saved}/checkpoints", {"name": "before the crash"}).json()["id"]
     ex(g, saved, "x = 99")  # not in any checkpoint: lost with the runtime
-    unsaved = g.request("POST", "/api/sandboxes", {}).json()["id"]
+    unsaved = g.create()["id"]
     kill9(g)
     # The host lost the runtimes too (a reboot, an OOM killer): nothing to adopt.
     root = str(g.home / "runtime" / "gvisor")
@@ -139,14 +137,14 @@ def test_after_sigkill_with_its_runtime_gone_a_sandbox_resumes_from_its_newest_c
         assert back["state"] == "paused" and back["resume_from"] == cp, back
         assert cp in back["reason"] and "lost" in back["reason"]
         assert "not adopted" in g2.log_text()
-        assert ex(g2, saved, "print(x, open('kept.txt').read())")["stdout"] == "41 files too\n"
+        assert ex(g2, saved, "print(x, open('kept.txt').read())").stdout == "41 files too\n"
         lost = g2.request("GET", f"/api/sandboxes/{unsaved}").json()
         assert lost["state"] == "dead" and "no checkpoint" in lost["reason"], lost
         r = g2.request("POST", f"/api/sandboxes/{unsaved}/execute", {"code": "1"})
         assert r.status == 409 and r.json()["state"] == "dead" and "dead" in r.json()["message"], r.body
         # A restart gives the dead one a new runtime over its files.
         assert g2.request("POST", f"/api/kernels/{unsaved}/restart", {}).status == 200
-        assert ex(g2, unsaved, "print(1 + 1)")["stdout"] == "2\n"
+        assert ex(g2, unsaved, "print(1 + 1)").stdout == "2\n"
     finally:
         g2.stop()
 
@@ -213,7 +211,7 @@ def test_requests_above_a_ceiling_get_400_and_forks_inherit_limits(home, tmp_pat
 def test_an_unpausable_sandbox_at_sigterm_is_reported_not_silently_dropped(home, tmp_path):
     """A sandbox whose runtime died before the stop is kept as dead, with why."""
     g = Gateway(home, tmp_path, env=KEEP)
-    sid = g.request("POST", "/api/sandboxes", {}).json()["id"]
+    sid = g.create()["id"]
     runtime = g.request("GET", f"/api/sandboxes/{sid}").json()["runtime_id"]
     subprocess.run(["runsc", "--root", str(g.home / "runtime" / "gvisor"), "kill", runtime, "KILL"], check=False)
     wait_for(lambda: g.request("GET", f"/api/sandboxes/{sid}").json()["state"] == "dead", 60)

@@ -75,7 +75,7 @@ def test_two_tenants_see_only_their_own(gw):
             ("POST", "/api/sessions", {"path": "b.ipynb", "type": "notebook", "kernel": {"id": k}})]:
         r = beta.request(method, path, body)
         assert r.status == 404, (method, path, r.status, r.body)
-    with pytest.raises(websocket.WebSocketBadStatusException) as e:
+    with pytest.raises(websocket.WebSocketBadStatusException) as e:  # raw: the upgrade's own status is tested
         websocket.create_connection(f"ws://127.0.0.1:{gw.port}/api/kernels/{k}/channels",
                                     header=[f"Authorization: token {beta.token}"], timeout=30)
     assert e.value.status_code == 404
