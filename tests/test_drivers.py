@@ -125,7 +125,7 @@ def test_a_checkpoint_in_place_keeps_the_runtime(gw, sb):
     assert r.status == 201, r.body
     after = gw.request("GET", f"/api/sandboxes/{sb}").json()
     assert after["state"] == "running" and (after["runtime_id"] == before) == gw.in_place, (before, after)
-    assert ex(gw, sb, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)")["stdout"] == "7 True\n"
+    assert ex(gw, sb, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)").stdout == "7 True\n"
     assert ("checkpoint %s in" % r.json()["id"]) in gw.log_text()
     assert (f"checkpoint {r.json()['id']} in place" in gw.log_text()) == gw.in_place
     # A fork (a restored sandbox) checkpoints the same way.
@@ -134,7 +134,7 @@ def test_a_checkpoint_in_place_keeps_the_runtime(gw, sb):
     fid, before = fork.json()["id"], fork.json()["runtime_id"]
     assert gw.request("POST", f"/api/sandboxes/{fid}/checkpoints", {}).status == 201
     assert (gw.request("GET", f"/api/sandboxes/{fid}").json()["runtime_id"] == before) == gw.in_place
-    assert ex(gw, fid, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)")["stdout"] == "7 True\n"
+    assert ex(gw, fid, "t = ticks[0]; time.sleep(0.3); print(y, ticks[0] > t)").stdout == "7 True\n"
     assert gw.request("DELETE", f"/api/sandboxes/{fid}").status == 204
 
 
