@@ -132,7 +132,7 @@ def run(args) -> int:
 
         progress(f"pausing the {n} sandboxes to disk")
         for s in sids:
-            t.api("POST", f"/api/sandboxes/{s}/pause", {})
+            t.pause(s)
         paused = runtime_memory([k for k in keys if k])
         paused_disk = dir_bytes(t.home / "paused") or 0
         report = {
