@@ -291,6 +291,14 @@ class Sandbox:
         self.record = self.record.model_copy(update={"runtime": runtime.id})
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
 
+    async def boot_checkpoint(self, cid: str) -> None:
+        """``boot`` from checkpoint ``cid``'s running state (assembled from its chunks if stored so)."""
+        try:
+            async with self.manager.checkpoints.restorable(cid) as image:
+                await self.boot(restore_from=image)
+        except (OSError, ValueError) as e:  # a chunk or the manifest missing or damaged
+            raise Unavailable(f"sandbox {self.id} failed to restore checkpoint {cid}: {e}") from None
+
     def _attach(self, runtime: Runtime) -> asyncio.Future:
         """Take ``runtime`` and a link to its agent; returns its exit, awaited."""
         self.runtime = runtime
@@ -528,13 +536,17 @@ class Sandbox:
         try:
             owner = self.record.owner  # blobs deduplicated within the tenant only
             files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner)  # stopped: same instant as memory
+            # The image into chunks shared with the checkpoints before it (state_chunks.py).
+            state_bytes, state_new = await asyncio.to_thread(store.store_state, cid, owner,
+                                                             self.driver.state_images)
             cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
-                            state_bytes=dir_size(image), files=files,
+                            state_bytes=state_bytes, files=files,
                             files_bytes=sum(f.size for f in files.values()), new_bytes=new,
-                            executions=self.executions.to_record())
+                            stored_bytes=state_new + new, executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
-            await self._carry_on(image, consume=True)  # the sandbox carries on regardless
+            async with store.restorable(cid, move=True) as whole:  # the image, if it was chunked already
+                await self._carry_on(whole, consume=True)  # the sandbox carries on regardless
             store.discard(cid)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -543,11 +555,12 @@ class Sandbox:
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
         if resume:
-            await self._carry_on(image, consume=False, after=f"checkpoint {cid} was saved, but")
+            async with store.restorable(cid) as whole:
+                await self._carry_on(whole, consume=False, after=f"checkpoint {cid} was saved, but")
         else:
             await self.to(State.DEAD, reason="stopped after its checkpoint")
-        log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
-                 time.monotonic() - t0, cp.state_bytes, new)
+        log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d B stored, %d of them new file bytes)",
+                 self.id, cid, time.monotonic() - t0, cp.state_bytes, cp.stored_bytes, new)
         metrics.CHECKPOINTS.labels(self.record.driver).inc()
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "state").inc(cp.state_bytes)
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "files").inc(new)
@@ -614,13 +627,16 @@ class Sandbox:
         if r.paused_image:
             image, consume = Path(r.paused_image), True
         elif r.resume_from:
-            image, consume = self.manager.checkpoints.state_dir(r.resume_from), False
+            image, consume = None, False
             self._recall_executions(r.resume_from)
         else:
             await self.to(State.DEAD, reason="paused without a running-state image")
             raise Unavailable(self.record.reason)
         try:
-            await self.boot(restore_from=image, consume=consume)
+            if image is None:
+                await self.boot_checkpoint(r.resume_from)
+            else:
+                await self.boot(restore_from=image, consume=consume)
         except Unavailable as e:
             # The driver left the image whole (Driver.restore): still paused, and
             # the next call tries again; the reason stays on the sandbox meanwhile.

@@ -209,6 +209,7 @@ class GVisorSandbox(ProcessSandbox):
 
 class GVisorDriver(Driver):
     name = "gvisor"
+    state_images = ("checkpoint.img",)  # all of runsc's image: unwrapped and chunked (state_chunks.py)
 
     def __init__(self, root_dir: str, platform: Optional[str] = None):
         self.root_dir = root_dir
