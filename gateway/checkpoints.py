@@ -365,14 +365,16 @@ class CheckpointStore:
         total = dir_size(state)
         whole = total - sum((state / n).stat().st_size for n in names if (state / n).is_file())
 
-        def pin(keys):
-            with self._lock:
-                if cid not in self._open:
-                    raise RuntimeError(f"checkpoint {cid} was discarded while its state was being stored")
-                self._pins.setdefault(cid, set()).update(keys)
-
-        _, added, _ = self.chunks.put_image(state, names, owner, pin)
+        _, added, _ = self.chunks.put_image(state, names, owner, lambda keys: self.pin(cid, keys))
         return total, whole + added
+
+    def pin(self, cid: str, keys) -> None:
+        """Keep ``keys`` (chunks or blobs) from a sweep until the unfinished checkpoint ``cid`` is
+        committed (its record names them from then on) or discarded."""
+        with self._lock:
+            if cid not in self._open:
+                raise RuntimeError(f"checkpoint {cid} was discarded while it was being stored")
+            self._pins.setdefault(cid, set()).update(keys)
 
     @contextlib.asynccontextmanager
     async def restorable(self, cid: str, move: bool = False):
