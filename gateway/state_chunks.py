@@ -49,7 +49,7 @@ import zstandard
 MANIFEST = "chunks.json"
 GVISOR_MAGIC = b"gVisorSF"
 AVG_BITS = 14  # cuts every 16 KiB on average...
-MIN_CHUNK = 4 << 10  # ...never closer than this...
+MIN_CHUNK = 8 << 10  # ...never closer than this (4 KiB: 15% stored instead of 18%, but 1.7x the chunks to read back)
 MAX_CHUNK = 64 << 10  # ...nor further apart
 _K = np.uint64(0x9E3779B97F4A7C15)
 _SALT = np.uint64(0x5A17C0DE5A17C0DE)  # zeros must not hash to a cut at every offset
@@ -142,6 +142,7 @@ class ChunkStore:
 
     def __init__(self, root: Path):
         self.root = root
+        self._base = str(root) + "/"
         root.mkdir(parents=True, exist_ok=True)
         self._zc = zstandard.ZstdCompressor(level=1)
         self._zd = zstandard.ZstdDecompressor()
@@ -197,7 +198,7 @@ class ChunkStore:
                         blob = self._zc.compress(piece)
                     self._write(p, blob)
                     added += len(blob)
-                listed.append([key, e - s])
+                listed.append([key, e - s, p.stat().st_size])
             entry["codec"] = codec
             entry["chunks"] = listed
             entries[name] = entry
@@ -224,28 +225,50 @@ class ChunkStore:
             tmp.unlink(missing_ok=True)
             raise
 
+    def _read(self, key: str, size: int) -> bytes:
+        """A chunk's stored bytes. os-level calls: a restore reads thousands of chunks, and the
+        per-file cost of Path and file objects was most of its time."""
+        try:
+            fd = os.open(self._base + key[:2] + "/" + key, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DamagedImage(f"chunk {key} is missing") from None
+        try:
+            blob = os.read(fd, size + 1)  # one byte more: a longer file is noticed
+        finally:
+            os.close(fd)
+        if len(blob) != size:
+            raise DamagedImage(f"chunk {key} has {len(blob)} stored bytes, not {size}")
+        return blob
+
     def assemble(self, state_dir: Path, dest: Path) -> None:
         """Write the images the manifest of ``state_dir`` lists into ``dest``."""
         manifest = read_manifest(state_dir)
         for name, entry in manifest["files"].items():
             if "/" in name or name in ("", ".", ".."):
                 raise DamagedImage(f"unsafe name in a state manifest: {name!r}")
-            with open(dest / name, "wb") as out:
+            fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                parts: List[bytes] = []
+                pending = 0
                 if entry["format"] == "gvisor":
-                    out.write(bytes.fromhex(entry["header"]) + struct.pack(">I", _ANY_SIZE))
-                for key, length in entry["chunks"]:
-                    try:
-                        blob = self.path(key).read_bytes()
-                    except FileNotFoundError:
-                        raise DamagedImage(f"chunk {key} of {name} is missing") from None
-                    if entry["codec"] == "deflate":
-                        out.write(struct.pack(">I", len(blob)))
-                        out.write(blob)
+                    parts.append(bytes.fromhex(entry["header"]) + struct.pack(">I", _ANY_SIZE))
+                deflate = entry["codec"] == "deflate"
+                for key, length, stored in entry["chunks"]:
+                    blob = self._read(key, stored)
+                    if deflate:
+                        parts += (struct.pack(">I", stored), blob)
                     else:
                         data = self._zd.decompress(blob, max_output_size=length)
                         if len(data) != length:
                             raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
-                        out.write(data)
+                        parts.append(data)
+                    pending += length
+                    if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
+                        _write_all(fd, parts)
+                        parts, pending = [], 0
+                _write_all(fd, parts)
+            finally:
+                os.close(fd)
 
     def sweep(self, live: Set[str], old) -> int:
         """Remove chunks not in ``live`` (and leftover temporaries) for which
@@ -261,6 +284,16 @@ class ChunkStore:
         return sum(p.stat().st_size for p in self.root.glob("*/*"))
 
 
+def _write_all(fd: int, parts: List[bytes]) -> None:
+    while parts:
+        n = os.writev(fd, parts)
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts = parts[1:]
+        if parts and n:
+            parts = [parts[0][n:]] + parts[1:]
+
+
 def read_manifest(state_dir: Path) -> dict:
     try:
         return json.loads((state_dir / MANIFEST).read_text())
@@ -272,5 +305,5 @@ def read_manifest(state_dir: Path) -> dict:
 
 def manifest_keys(state_dir: Path) -> Iterator[str]:
     for entry in read_manifest(state_dir)["files"].values():
-        for key, _ in entry["chunks"]:
-            yield key
+        for chunk in entry["chunks"]:
+            yield chunk[0]
