@@ -13,13 +13,15 @@ and shared by every checkpoint that has it.
 gVisor compresses its image itself (flate, in independent 1 MiB frames,
 ``pkg/compressio``): compressed bytes share nothing either, so a gVisor image
 is unwrapped first: its header is kept as it is, its frames are inflated and
-the inflated stream is chunked. Its chunks are stored as raw deflate, so
-that putting the image back together is a concatenation: each chunk becomes
-one frame of a new image whose header's frame size is 0xFFFFFFFF. gVisor's
-reader places a frame straight into the caller's buffer only when a whole
-frame of the header's size fits there, which never happens with that size,
-so frames of any size are read correctly (all 20221219 reads, and later ones
-without ``compression: none``). Other images are chunked as they are and
+the inflated stream is chunked. Its chunks are stored as raw deflate ending in
+a sync flush (byte-aligned, not final), so that putting the image back
+together is a concatenation: consecutive chunks and an empty final block make
+one frame of about 1 MiB (one flate stream, as many frames as runsc wrote:
+a frame per chunk measured slower to read back), in a new image whose
+header's frame size is 0xFFFFFFFF. gVisor's reader places a frame straight
+into the caller's buffer only when a whole frame of the header's size fits
+there, which never happens with that size, so frames of any size are read
+correctly (all 20221219 reads, and later ones without ``compression: none``). Other images are chunked as they are and
 their chunks stored as zstd (faster than zlib by 4-10x at a similar size).
 
 A chunk's name is a hash of its owner, its codec and its content (one
@@ -55,6 +57,8 @@ _K = np.uint64(0x9E3779B97F4A7C15)
 _SALT = np.uint64(0x5A17C0DE5A17C0DE)  # zeros must not hash to a cut at every offset
 _BLOCK = 8 << 20
 _ANY_SIZE = 0xFFFFFFFF  # gVisor frame size meaning "frames of any size" (see above)
+_FRAME = 1 << 20  # uncompressed bytes per frame of an assembled gVisor image, at least
+_FINAL = b"\x03\x00"  # an empty final deflate block (fixed Huffman): ends a frame of sync-flushed chunks
 
 
 class DamagedImage(ValueError):
@@ -169,7 +173,7 @@ class ChunkStore:
             unwrapped = unwrap_gvisor(path)
             if unwrapped is not None:
                 header, data = unwrapped
-                codec = "deflate"
+                codec = "deflate-sync"
                 entry = {"size": size, "format": "gvisor", "header": header.hex()}
             else:
                 data = bytearray(path.read_bytes())
@@ -191,9 +195,9 @@ class ChunkStore:
                 p = self.path(key)
                 if not p.exists():
                     piece = view[s:e]
-                    if codec == "deflate":
+                    if codec == "deflate-sync":
                         c = zlib.compressobj(1, zlib.DEFLATED, -15)
-                        blob = c.compress(piece) + c.flush()
+                        blob = c.compress(piece) + c.flush(zlib.Z_SYNC_FLUSH)
                     else:
                         blob = self._zc.compress(piece)
                     self._write(p, blob)
@@ -252,11 +256,18 @@ class ChunkStore:
                 pending = 0
                 if entry["format"] == "gvisor":
                     parts.append(bytes.fromhex(entry["header"]) + struct.pack(">I", _ANY_SIZE))
-                deflate = entry["codec"] == "deflate"
+                deflate = entry["codec"] == "deflate-sync"
+                frame: List[bytes] = []
+                framed = inflated = 0
                 for key, length, stored in entry["chunks"]:
                     blob = self._read(key, stored)
                     if deflate:
-                        parts += (struct.pack(">I", stored), blob)
+                        frame.append(blob)
+                        framed += stored
+                        inflated += length
+                        if inflated >= _FRAME:
+                            parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+                            frame, framed, inflated = [], 0, 0
                     else:
                         data = self._zd.decompress(blob, max_output_size=length)
                         if len(data) != length:
@@ -266,6 +277,8 @@ class ChunkStore:
                     if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
                         _write_all(fd, parts)
                         parts, pending = [], 0
+                if frame:
+                    parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
