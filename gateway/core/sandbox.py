@@ -545,8 +545,7 @@ class Sandbox:
                             stored_bytes=state_new + new, executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
-            async with store.restorable(cid, move=True) as whole:  # the image, if it was chunked already
-                await self._carry_on(whole, consume=True)  # the sandbox carries on regardless
+            await self._carry_on_from(cid, consume=True)  # the sandbox carries on regardless
             store.discard(cid)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -555,8 +554,7 @@ class Sandbox:
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
         if resume:
-            async with store.restorable(cid) as whole:
-                await self._carry_on(whole, consume=False, after=f"checkpoint {cid} was saved, but")
+            await self._carry_on_from(cid, consume=False, after=f"checkpoint {cid} was saved, but")
         else:
             await self.to(State.DEAD, reason="stopped after its checkpoint")
         log.info("sandbox %s: checkpoint %s in %.2f s (state %d B, %d B stored, %d of them new file bytes)",
@@ -565,6 +563,16 @@ class Sandbox:
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "state").inc(cp.state_bytes)
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "files").inc(new)
         return cp
+
+    async def _carry_on_from(self, cid: str, consume: bool, after: str = "") -> None:
+        """``_carry_on`` from the image just stored as checkpoint ``cid`` (assembled from its
+        chunks if it was chunked already; ``consume``: the checkpoint is discarded after)."""
+        try:
+            async with self.manager.checkpoints.restorable(cid, move=consume) as image:
+                await self._carry_on(image, consume=consume, after=after)
+        except (OSError, ValueError) as e:  # the image could not be put back together
+            await self.to(State.DEAD, reason=f"{after} the sandbox could not carry on from it: {e}".strip())
+            raise Unavailable(self.record.reason) from None
 
     async def _carry_on(self, image: Path, consume: bool, after: str = "") -> None:
         """Back to running from the image just taken, or dead saying why."""
