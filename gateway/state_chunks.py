@@ -118,8 +118,17 @@ def _read_exact(f, n: int) -> bytes:
 
 
 def unwrap_gvisor(path: Path) -> Optional[Tuple[bytes, bytearray]]:
-    """(header, inflated stream) of a gVisor state file whose frames carry no
-    hash (no key: how runsc writes them); None if it is not one."""
+    """(header, inflated stream) of a gVisor state file as runsc 20221219
+    writes one (no key, so no hash between frames; every frame but the last
+    inflates to the frame size); None if it is not one: it is then chunked as
+    it is, which is always correct (a newer runsc's uncompressed image, too)."""
+    try:
+        return _unwrap_gvisor(path)
+    except DamagedImage:  # truncated: not ours to judge, stored as it is
+        return None
+
+
+def _unwrap_gvisor(path: Path) -> Optional[Tuple[bytes, bytearray]]:
     with open(path, "rb") as f:
         if f.read(8) != GVISOR_MAGIC:
             return None
@@ -130,13 +139,19 @@ def unwrap_gvisor(path: Path) -> Optional[Tuple[bytes, bytearray]]:
         (frame,) = struct.unpack(">I", _read_exact(f, 4))
         size = os.fstat(f.fileno()).st_size
         out = bytearray()
+        short = False
         while f.tell() < size:
             (n,) = struct.unpack(">I", _read_exact(f, 4))
             data = _read_exact(f, n)
             try:
-                out += zlib.decompress(data, -15)
+                d = zlib.decompressobj(-15)
+                piece = d.decompress(data)
             except zlib.error:
-                return None  # a keyed stream (a hash between frames), or not flate: stored whole-file chunked
+                return None  # a keyed stream (a hash between frames), or not flate
+            if short or len(piece) > frame or not d.eof or d.unused_data:
+                return None  # not frames as runsc writes them
+            short = len(piece) < frame
+            out += piece
     return header, out
 
 

@@ -147,10 +147,33 @@ def test_gvisor_image_is_unwrapped_and_reassembled_as_frames_of_any_size(tmp_pat
 
 
 def unwrap_gvisor_bytes(tmp_path: Path, data: bytes):
-    p = tmp_path / "check.img"
-    p.write_bytes(data)
-    header, inflated = unwrap_gvisor(p)
-    return header, bytes(inflated)
+    """Header and inflated stream of an assembled image, read as gVisor's reader does: frames of any
+    size (unwrap_gvisor takes only what runsc writes, frames of the header's size)."""
+    (mlen,) = struct.unpack(">Q", data[8:16])
+    off = 16 + mlen + 32 + 4
+    out = bytearray()
+    while off < len(data):
+        (n,) = struct.unpack(">I", data[off:off + 4])
+        out += zlib.decompress(data[off + 4:off + 4 + n], -15)
+        off += 4 + n
+    return data[:16 + mlen + 32], bytes(out)
+
+
+def test_only_images_framed_as_runsc_writes_them_are_unwrapped(tmp_path):
+    stream = bytes(memory_like(11, 3 * MiB))
+    good = tmp_path / "good.img"
+    good.write_bytes(gvisor_image(stream, {}))
+    assert bytes(unwrap_gvisor(good)[1]) == stream
+    odd = tmp_path / "odd.img"  # a short frame before the last: not runsc's; stored as it is
+    image = gvisor_image(stream[:1000], {}) + gvisor_image(stream, {})[len(gvisor_image(b"", {})):]
+    odd.write_bytes(image)
+    assert unwrap_gvisor(odd) is None
+    truncated = tmp_path / "truncated.img"
+    truncated.write_bytes(gvisor_image(stream, {})[:-10])
+    assert unwrap_gvisor(truncated) is None
+    store = CheckpointStore(tmp_path / "ck")
+    cp = take(store, "checkpoint.img", image)  # chunked as it is, and back byte for byte
+    assert restored(store, cp.id, "checkpoint.img") == image
 
 
 def chunk_files(store: CheckpointStore) -> set:
