@@ -309,14 +309,17 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
     sid = create(gw)["id"]
     ex(gw, sid, "v = 1")
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
-    image = gw.home / "checkpoints" / "items" / cp["id"] / "state" / "checkpoint.img"
-    with open(image, "r+b") as f:
-        f.seek(image.stat().st_size // 2)
-        f.write(os.urandom(4096))
+    state = gw.home / "checkpoints" / "items" / cp["id"] / "state"
+    keys = list(json_keys(gw, cp["id"]))
+    chunk = gw.home / "checkpoints" / "chunks" / keys[len(keys) // 2][:2] / keys[len(keys) // 2]
+    chunk.write_bytes(os.urandom(chunk.stat().st_size))  # the image's middle, damaged
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "failed to restore" in r.json()["message"]
     assert ex(gw, sid, "print(v)")["stdout"] == "1\n"  # the source is unharmed
-    image.unlink()
+    chunk.unlink()
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 503 and f"chunk {chunk.name} is missing" in r.json()["message"], r.body
+    (state / "chunks.json").unlink()  # no manifest and no image: as a whole image gone
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "checkpoint image missing" in r.json()["message"]
     gw.request("DELETE", f"/api/sandboxes/{sid}")
