@@ -7,8 +7,14 @@ driver and round, over the sandbox API:
 * boot: create to the first ``1+1`` result;
 * memory: RSS and PSS of the sandbox's host processes (runsc or qemu), idle;
 * checkpoint after ``x = 41``: time and state size;
-* restore: fork from that checkpoint to the fork's first ``1+1`` result, and
-  the fork must see ``x == 41``;
+* a second checkpoint after ``x = 42``: its time, and what it stored
+  (``stored_bytes``) over its running state's size (``state_bytes``): the
+  running state is kept as shared chunks (gateway/state_chunks.py);
+* restore: fork from a checkpoint to the fork's first ``1+1`` result (the
+  fork must see its ``x``), from chunks, and from a whole image as every
+  checkpoint was stored before chunking: one of the two checkpoints is turned
+  back into one (``whole_image``), alternately the first and the second, and
+  the order of the two forks alternates too;
 * pause, and the ``1+1`` that resumes a paused sandbox;
 * the same with a pause in memory (``{"mode": "memory"}``: frozen, not saved);
 * fork from now (a checkpoint and its restore) to the fork's first ``1+1``;
@@ -46,7 +52,11 @@ METRICS = [  # key, label, format
     ("pss", "idle sandbox PSS, host processes (MiB)", "{:.1f}"),
     ("checkpoint_s", "checkpoint after x = 41 (s)", "{:.2f}"),
     ("state_bytes", "checkpoint state size (MiB)", "{:.1f}"),
-    ("restore_s", "restore (fork) to first 1+1 (s)", "{:.2f}"),
+    ("checkpoint2_s", "second checkpoint, after x = 42 (s)", "{:.2f}"),
+    ("stored_ratio", "second checkpoint stored_bytes / state_bytes", "{:.3f}"),
+    ("restore_s", "restore (fork) to first 1+1, from chunks (s)", "{:.2f}"),
+    ("restore_whole_s", "restore (fork) to first 1+1, from a whole image (s)", "{:.2f}"),
+    ("restore_ratio", "restore from chunks / from a whole image", "{:.2f}"),
     ("pause_s", "pause (s)", "{:.2f}"),
     ("resume_s", "1+1 on a paused sandbox (s)", "{:.2f}"),
     ("freeze_s", "pause in memory (s)", "{:.3f}"),
@@ -63,7 +73,19 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
+def whole_image(t: SandgateTarget, cid: str) -> None:
+    """Store checkpoint ``cid``'s running state the way it was stored before chunking: the image
+    itself in its state directory (its chunks stay; another checkpoint may share them)."""
+    from sandgate.state_chunks import MANIFEST, ChunkStore
+
+    state = t.home / "checkpoints" / "items" / cid / "state"
+    if not (state / MANIFEST).is_file():
+        raise BenchError(f"checkpoint {cid} has no chunked state to turn into a whole image")
+    ChunkStore(t.home / "checkpoints" / "chunks").assemble(state, state)
+    (state / MANIFEST).unlink()
+
+
+def one_round(t: SandgateTarget, driver: str, label: str, rep: int = 0) -> Dict[str, float]:
     m: Dict[str, float] = {}
 
     def first_result(sid: str) -> None:
@@ -84,16 +106,24 @@ def one_round(t: SandgateTarget, driver: str, label: str) -> Dict[str, float]:
     t.run_cell(sid, "x = 41")
     cp, m["checkpoint_s"] = timed(lambda: t.checkpoint(sid))
     m["state_bytes"] = cp.raw["state_bytes"]
+    t.run_cell(sid, "x = 42")
+    cp2, m["checkpoint2_s"] = timed(lambda: t.checkpoint(sid))
+    m["stored_ratio"] = cp2.raw["stored_bytes"] / cp2.raw["state_bytes"]
 
-    def fork() -> str:
-        fid = t.fork(sid, cp.id)
+    def fork(c) -> str:
+        fid = t.fork(sid, c.id)
         first_result(fid)
         return fid
 
-    fid, m["restore_s"] = timed(fork)
-    if cell_result(t.run_cell(fid, "x")) != "41":
-        raise BenchError(f"{driver}: the fork of {sid} does not see x = 41")
-    t.stop_kernel(fid)
+    whole, chunked = (cp, cp2) if rep % 2 == 0 else (cp2, cp)
+    whole_image(t, whole.id)
+    for key, c in (("restore_s", chunked), ("restore_whole_s", whole))[::1 if rep % 2 == 0 else -1]:
+        fid, m[key] = timed(lambda: fork(c))
+        want = "41" if c is cp else "42"
+        if cell_result(t.run_cell(fid, "x")) != want:
+            raise BenchError(f"{driver}: the fork of {sid} from {c.id} does not see x = {want}")
+        t.stop_kernel(fid)
+    m["restore_ratio"] = m["restore_s"] / m["restore_whole_s"]
 
     def fork_now() -> str:
         fid = t.fork(sid)
@@ -197,7 +227,7 @@ def run(args) -> int:
         for rep in range(REPS):
             for c in names[rep % len(names):] + names[:rep % len(names)]:
                 progress(f"round {rep + 1}/{REPS}: {c}")
-                raw[c].append(one_round(*columns[c], c))
+                raw[c].append(one_round(*columns[c], c, rep))
     except KeyboardInterrupt:
         failed = "interrupted"
     except BenchError as e:

@@ -8,17 +8,24 @@ files need ``blobs/<key>`` (content-addressed, so uploaded once), and its record
 ``items/<cid>/checkpoint.json`` last, so a record in the bucket means the checkpoint is whole
 there. Another node that takes a sandbox over (core/fleet.py) fetches that checkpoint first.
 
+A running state kept as chunks here (state_chunks.py) is uploaded as its whole image, assembled:
+one object per chunk was thousands of requests per checkpoint (minutes against a local S3 server).
+So the bucket holds whole images, as before chunking, and a node that fetches one keeps it whole.
+
 All calls block (boto3); callers run them off the event loop.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import uuid
 from pathlib import Path
 from typing import Optional, Set
 from urllib.parse import urlparse
 
 from .checkpoints import Checkpoint, CheckpointStore, blob_key
+from .state_chunks import MANIFEST
 
 log = logging.getLogger("sandgate.checkpoints")
 
@@ -52,9 +59,20 @@ class S3Replica:
         """Copy a committed checkpoint to the bucket; returns the bytes sent."""
         sent = 0
         state = store.state_dir(cp.id)
-        for path in sorted(p for p in state.rglob("*") if p.is_file()):
-            self.s3.upload_file(str(path), self.bucket, self._key("items", cp.id, "state", str(path.relative_to(state))))
-            sent += path.stat().st_size
+        whole = None
+        if (state / MANIFEST).is_file():  # the image itself goes up, not its chunks
+            whole = store.root / "restoring" / f"upload-{uuid.uuid4().hex[:12]}"
+            whole.mkdir(parents=True)
+            store.chunks.assemble(state, whole)
+        try:
+            files = [(p, p.relative_to(state)) for p in state.rglob("*") if p.is_file() and p.name != MANIFEST]
+            files += [(p, p.relative_to(whole)) for p in whole.iterdir()] if whole else []
+            for path, rel in sorted(files):
+                self.s3.upload_file(str(path), self.bucket, self._key("items", cp.id, "state", str(rel)))
+                sent += path.stat().st_size
+        finally:
+            if whole:
+                shutil.rmtree(whole, ignore_errors=True)
         for entry in cp.files.values():
             key = blob_key(cp.owner, entry.sha256)
             if key in self._known:

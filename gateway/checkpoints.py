@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import errno
 import hashlib
 import logging
@@ -55,7 +56,9 @@ import uuid
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
+
+from .state_chunks import MANIFEST as STATE_MANIFEST, ChunkStore, manifest_keys
 
 CHUNK = 1 << 20
 _ZEROS = bytes(CHUNK)  # shared: holes are hashed from it, never read from disk
@@ -98,10 +101,20 @@ class Checkpoint(BaseModel):
     state_bytes: int  # the driver's running-state image
     files_bytes: int  # the workspace's logical size
     new_bytes: int  # what this checkpoint added to the blob store (data stored; holes are free)
+    # What this checkpoint added to storage, state and files together: its new state chunks and
+    # their manifest (state_chunks.py), the rest of its state directory, and new_bytes.
+    stored_bytes: int = 0
     files: Dict[str, FileEntry] = {}
     # The sandbox's finished execution ids and kept results (core/executions.py): a retry after a
     # take-over from this checkpoint is answered from here, not run again.
     executions: dict = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_image_before(cls, data):  # records from before chunking stored the whole image
+        if isinstance(data, dict) and "stored_bytes" not in data and "state_bytes" in data:
+            data = {**data, "stored_bytes": data["state_bytes"] + data.get("new_bytes", 0)}
+        return data
 
     def summary(self) -> dict:
         return self.model_dump(exclude={"files", "executions"}) | {"file_count": len(self.files)}
@@ -316,6 +329,7 @@ class CheckpointStore:
         self.replica = replica  # an S3Replica (checkpoint_replica.py): each commit is copied there
         self.blobs = root / "blobs"
         self.items = root / "items"
+        self.chunks = ChunkStore(root / "chunks")  # running-state images, chunked (state_chunks.py)
         self.limits = limits or SnapshotLimits()
         self._blobs_b = os.fsencode(self.blobs) + b"/"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -341,6 +355,55 @@ class CheckpointStore:
 
     def state_dir(self, cid: str) -> Path:
         return self.items / cid / "state"
+
+    def store_state(self, cid: str, owner: str, names) -> Tuple[int, int]:
+        """Replace the image files ``names`` in the state directory of the
+        unfinished checkpoint ``cid`` by chunks (state_chunks.py), pinned until
+        it is committed or discarded. Returns the state's size (the whole
+        directory, as the driver wrote it) and the bytes it added to storage."""
+        state = self.state_dir(cid)
+        total = dir_size(state)
+        whole = total - sum((state / n).stat().st_size for n in names if (state / n).is_file())
+
+        _, added, _ = self.chunks.put_image(state, names, owner, lambda keys: self.pin(cid, keys))
+        return total, whole + added
+
+    def pin(self, cid: str, keys) -> None:
+        """Keep ``keys`` (chunks or blobs) from a sweep until the unfinished checkpoint ``cid`` is
+        committed (its record names them from then on) or discarded."""
+        with self._lock:
+            if cid not in self._open:
+                raise RuntimeError(f"checkpoint {cid} was discarded while it was being stored")
+            self._pins.setdefault(cid, set()).update(keys)
+
+    @contextlib.asynccontextmanager
+    async def restorable(self, cid: str, move: bool = False):
+        """A directory holding checkpoint ``cid``'s state image as its driver
+        wrote it: the state directory itself for a whole image; else a new one
+        (removed afterwards) with the images assembled from their chunks and
+        the other files linked (``move``: moved, for a restore that consumes
+        them; the checkpoint is discarded after)."""
+        state = self.state_dir(cid)
+        if not (state / STATE_MANIFEST).is_file():
+            yield state
+            return
+        work = self.root / "restoring" / uuid.uuid4().hex[:12]
+
+        def build():
+            work.mkdir(parents=True)
+            for p in state.iterdir():
+                if p.name != STATE_MANIFEST:
+                    if move:
+                        shutil.move(str(p), work / p.name)
+                    else:
+                        (work / p.name).symlink_to(p.resolve())
+            self.chunks.assemble(state, work)
+
+        try:
+            await asyncio.to_thread(build)
+            yield work
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
 
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha
@@ -693,7 +756,25 @@ class CheckpointStore:
                 if sha not in live and self._old(blob):  # an aborted or crashed write, or garbage
                     blob.unlink(missing_ok=True)
                     removed += 1
+            removed += self.chunks.sweep(self._live_chunks(), self._old)
+            restoring = self.root / "restoring"  # restorable() removes its own: these are a crash's
+            if restoring.is_dir():
+                for d in restoring.iterdir():
+                    if time.time() - d.stat().st_mtime > SHARED_GRACE:
+                        shutil.rmtree(d, ignore_errors=True)
         return removed
+
+    def _live_chunks(self) -> Set[str]:  # under the lock
+        live: Set[str] = set()
+        for d in self.items.iterdir():
+            if (d / "checkpoint.json").is_file() or d.name in self._open:
+                try:
+                    live.update(manifest_keys(d / "state"))
+                except ValueError as e:  # a damaged manifest keeps nothing; say so
+                    log.warning("checkpoint %s: %s", d.name, e)
+        for pinned in self._pins.values():
+            live |= pinned
+        return live
 
     def _old(self, path: Path) -> bool:
         """Whether no other process can still be writing ``path`` (always, unless shared)."""

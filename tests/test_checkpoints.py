@@ -76,6 +76,62 @@ print(x, t.is_alive(), ticks[0] > before, numpy.__name__, open('log.txt').read()
         assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
 
 
+def stored_chunks(gw) -> set:
+    return {p.name for p in (gw.home / "checkpoints" / "chunks").glob("*/*")}
+
+
+def referenced_chunks(gw) -> set:
+    from sandgate.state_chunks import manifest_keys
+    return {k for d in (gw.home / "checkpoints" / "items").iterdir() if (d / "checkpoint.json").is_file()
+            for k in manifest_keys(d / "state")}
+
+
+def test_running_state_checkpoints_store_only_changes(gw):
+    """The running state is stored as shared chunks (state_chunks.py): a checkpoint after a small
+    change stores a fraction of it; both restore to their own instant; deleting one keeps the other."""
+    sid = create(gw)["id"]
+    ex(gw, sid, "x = 41")
+    cp1 = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert ex(gw, sid, "x += 1; print(x)").stdout == "42\n"  # carried on from the assembled image
+    cp2 = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert cp1["state_bytes"] > 4 << 20 and cp2["state_bytes"] > 4 << 20
+    assert cp2["stored_bytes"] < 0.25 * cp2["state_bytes"], cp2
+    assert (gw.home / "checkpoints" / "items" / cp2["id"] / "state" / "chunks.json").is_file()
+    assert not (gw.home / "checkpoints" / "items" / cp2["id"] / "state" / "checkpoint.img").exists()
+    forks = []
+    for cp, want in ((cp1, "41"), (cp2, "42")):
+        r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+        assert r.status == 201, r.body
+        forks.append(r.json()["id"])
+        assert ex(gw, forks[-1], "print(x)").stdout == want + "\n"
+    assert ex(gw, sid, "print(x)").stdout == "42\n"
+
+    # Another sandbox's checkpoint shares chunks with these (the same interpreter, mostly).
+    other = create(gw)["id"]
+    ex(gw, other, "x = 7")
+    cp3 = gw.request("POST", f"/api/sandboxes/{other}/checkpoints", {}).json()
+    mine = set(json_keys(gw, cp3["id"]))
+    assert mine & set(json_keys(gw, cp1["id"]))
+    before = stored_chunks(gw)
+    for s in (*forks, sid):
+        assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
+    ids = [n["id"] for n in gw.request("GET", "/api/sandboxes/tree").json()["nodes"]]
+    assert cp1["id"] not in ids and cp2["id"] not in ids and cp3["id"] in ids
+    # Swept: exactly the chunks a checkpoint still lists are left, fewer than before; cp3's all there.
+    wait_for(lambda: stored_chunks(gw) == referenced_chunks(gw), timeout=30)
+    assert stored_chunks(gw) < before and mine <= stored_chunks(gw)
+    r = gw.request("POST", f"/api/sandboxes/{other}/fork", {"checkpoint": cp3["id"]})
+    assert r.status == 201, r.body
+    assert ex(gw, r.json()["id"], "print(x)").stdout == "7\n"
+    for s in (r.json()["id"], other):
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
+def json_keys(gw, cid):
+    from sandgate.state_chunks import manifest_keys
+    return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
+
+
 def test_kernel_from_jupyter_api_can_fork_from_now(gw):
     kid = gw.start_kernel()
     c = gw.connect(kid)
@@ -249,14 +305,17 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
     sid = create(gw)["id"]
     ex(gw, sid, "v = 1")
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
-    image = gw.home / "checkpoints" / "items" / cp["id"] / "state" / "checkpoint.img"
-    with open(image, "r+b") as f:
-        f.seek(image.stat().st_size // 2)
-        f.write(os.urandom(4096))
+    state = gw.home / "checkpoints" / "items" / cp["id"] / "state"
+    keys = list(json_keys(gw, cp["id"]))
+    chunk = gw.home / "checkpoints" / "chunks" / keys[len(keys) // 2][:2] / keys[len(keys) // 2]
+    chunk.write_bytes(os.urandom(chunk.stat().st_size))  # the image's middle, damaged
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "failed to restore" in r.json()["message"]
     assert ex(gw, sid, "print(v)").stdout == "1\n"  # the source is unharmed
-    image.unlink()
+    chunk.unlink()
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 503 and f"chunk {chunk.name} is missing" in r.json()["message"], r.body
+    (state / "chunks.json").unlink()  # no manifest and no image: as a whole image gone
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 503 and "checkpoint image missing" in r.json()["message"]
     gw.request("DELETE", f"/api/sandboxes/{sid}")

@@ -118,7 +118,8 @@ def test_a_checkpoint_is_disk_deltas_and_missing_overlay_is_a_clear_error(vmgw):
     vmgw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "y = 7\nopen('w.txt', 'w').write('kept')"})
     cp = vmgw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
     state = vmgw.home / "checkpoints" / "items" / cp["id"] / "state"
-    assert sorted(p.name for p in state.iterdir()) == ["root.qcow2", "state.mig", "vm.json", "workspace.qcow2"]
+    # state.mig is kept as shared chunks (state_chunks.py); the disks whole: later disks' backing files.
+    assert sorted(p.name for p in state.iterdir()) == ["chunks.json", "root.qcow2", "vm.json", "workspace.qcow2"]
     # The live VM's workspace disk is a new overlay whose backing file is the checkpoint's.
     ws = vmgw.home / "workspaces" / sid / "workspace.qcow2"
     assert ws.exists() and str(state / "workspace.qcow2") in os.popen(f"qemu-img info -U {ws}").read()
@@ -131,6 +132,22 @@ def test_a_checkpoint_is_disk_deltas_and_missing_overlay_is_a_clear_error(vmgw):
     assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
     assert len(vmgw.request("GET", "/api/sandboxes").json()) == 0
     assert qemu_processes(vmgw) == [] and not any((vmgw.home / "sandboxes").iterdir())
+
+
+def test_a_second_checkpoint_stores_a_fraction_of_the_vms_state(vmgw):
+    sid = vmgw.request("POST", "/api/sandboxes", {"driver": "qemu"}).json()["id"]
+    run = lambda s, code: vmgw.request("POST", f"/api/sandboxes/{s}/execute", {"code": code, "timeout": 120}).json()
+    run(sid, "x = 41")
+    cp1 = vmgw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert run(sid, "x += 1; print(x)")["stdout"] == "42\n"
+    cp2 = vmgw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    assert cp2["state_bytes"] > 4 << 20 and cp2["stored_bytes"] < 0.25 * cp2["state_bytes"], (cp1, cp2)
+    for cp, want in ((cp1, "41"), (cp2, "42")):
+        r = vmgw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+        assert r.status == 201, r.body
+        assert run(r.json()["id"], "print(x)")["stdout"] == want + "\n"
+        assert vmgw.request("DELETE", f"/api/sandboxes/{r.json()['id']}").status == 204
+    assert vmgw.request("DELETE", f"/api/sandboxes/{sid}").status == 204
 
 
 def test_a_paused_vm_whose_overlay_is_gone_reports_why(vmgw):

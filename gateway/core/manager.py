@@ -143,7 +143,7 @@ class SandboxManager:
                     if checkpoint:
                         how = f"from checkpoint {checkpoint.id}"
                         await sb.fill_workspace(checkpoint)
-                        await sb.boot(restore_from=self.checkpoints.state_dir(checkpoint.id))
+                        await sb.boot_checkpoint(checkpoint.id)
                         await sb.setup(env)
                     else:
                         await sb.boot()

@@ -124,7 +124,7 @@ class WarmPool:
                 sb = self._scratch("pool", driver)
                 try:
                     await sb.fill_workspace(cp)
-                    await sb.boot(restore_from=self.manager.checkpoints.state_dir(cp.id))
+                    await sb.boot_checkpoint(cp.id)
                 except BaseException:  # failed, or the gateway is closing: nothing left behind
                     await asyncio.shield(self._discard(sb))
                     raise

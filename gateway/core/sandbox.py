@@ -291,6 +291,14 @@ class Sandbox:
         self.record = self.record.model_copy(update={"runtime": runtime.id})
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
 
+    async def boot_checkpoint(self, cid: str) -> None:
+        """``boot`` from checkpoint ``cid``'s running state (assembled from its chunks if stored so)."""
+        try:
+            async with self.manager.checkpoints.restorable(cid) as image:
+                await self.boot(restore_from=image)
+        except (OSError, ValueError) as e:  # a chunk or the manifest missing or damaged
+            raise Unavailable(f"sandbox {self.id} failed to restore checkpoint {cid}: {e}") from None
+
     def _attach(self, runtime: Runtime) -> asyncio.Future:
         """Take ``runtime`` and a link to its agent; returns its exit, awaited."""
         self.runtime = runtime
@@ -565,14 +573,9 @@ class Sandbox:
                 await self.to(State.RUNNING)
             store.discard(cid)
             raise
+        owner = self.record.owner  # blobs deduplicated within the tenant only
         try:
-            owner = self.record.owner  # blobs deduplicated within the tenant only
             files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner)  # stopped: same instant as memory
-            cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
-                            state_bytes=dir_size(image), files=files,
-                            files_bytes=sum(f.size for f in files.values()), new_bytes=new,
-                            executions=self.executions.to_record())
-            await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
         except BaseException as e:
             if in_place:  # the sandbox carries on regardless
                 await self._unpause(image, egress, after="")
@@ -584,15 +587,40 @@ class Sandbox:
             if isinstance(e, SnapshotTooLarge):
                 raise LimitReached(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+        # The sandbox goes on from the whole image first, and the image is cut into chunks
+        # after (state_chunks.py): that work costs the checkpoint call time, not the sandbox.
+        # A sandbox that cannot go on is dead with the reason; its checkpoint is still kept.
+        carry_on_failed = None
+        if resume:
+            try:
+                if in_place:
+                    await self._unpause(image, egress, after=f"checkpoint {cid} was taken, but")
+                else:
+                    await self._carry_on(image, consume=False, after=f"checkpoint {cid} was taken, but")
+            except Unavailable as e:
+                carry_on_failed = e
+        try:
+            state_bytes, state_new = await asyncio.to_thread(store.store_state, cid, owner, self.driver.state_images)
+            cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
+                            state_bytes=state_bytes, files=files,
+                            files_bytes=sum(f.size for f in files.values()), new_bytes=new,
+                            stored_bytes=state_new + new, executions=self.executions.to_record())
+            await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
+        except BaseException as e:
+            store.discard(cid)
+            if not resume:  # stopped for good by the checkpoint, which is lost: say so
+                await self.to(State.DEAD, reason=f"stopped for a checkpoint that could not be stored: {e}")
+            if isinstance(e, asyncio.CancelledError) or carry_on_failed:
+                raise carry_on_failed or e
+            raise Unavailable(f"checkpoint of sandbox {self.id} failed{'; it runs on' if resume else ''}: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
-        if in_place:
-            await self._unpause(image, egress, after=f"checkpoint {cid} was saved, but")
-        elif resume:
-            await self._carry_on(image, consume=False, after=f"checkpoint {cid} was saved, but")
-        else:
+        if carry_on_failed:
+            raise carry_on_failed
+        if not resume:
             await self.to(State.DEAD, reason="stopped after its checkpoint")
-        log.info("sandbox %s: checkpoint %s%s in %.2f s (state %d B, %d new file bytes)", self.id, cid,
-                 " in place" if in_place else "", time.monotonic() - t0, cp.state_bytes, new)
+        log.info("sandbox %s: checkpoint %s%s in %.2f s (state %d B, %d B stored, %d of them new file bytes)",
+                 self.id, cid, " in place" if in_place else "", time.monotonic() - t0, cp.state_bytes,
+                 cp.stored_bytes, new)
         metrics.CHECKPOINTS.labels(self.record.driver).inc()
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "state").inc(cp.state_bytes)
         metrics.CHECKPOINT_BYTES.labels(self.record.driver, "files").inc(new)
@@ -659,13 +687,16 @@ class Sandbox:
         if r.paused_image:
             image, consume = Path(r.paused_image), True
         elif r.resume_from:
-            image, consume = self.manager.checkpoints.state_dir(r.resume_from), False
+            image, consume = None, False
             self._recall_executions(r.resume_from)
         else:
             await self.to(State.DEAD, reason="paused without a running-state image")
             raise Unavailable(self.record.reason)
         try:
-            await self.boot(restore_from=image, consume=consume)
+            if image is None:
+                await self.boot_checkpoint(r.resume_from)
+            else:
+                await self.boot(restore_from=image, consume=consume)
         except Unavailable as e:
             # The driver left the image whole (Driver.restore): still paused, and
             # the next call tries again; the reason stays on the sandbox meanwhile.

@@ -197,6 +197,10 @@ class Driver(abc.ABC):
     # Whether the workspace directory is shared into the sandbox as files (gVisor),
     # so the core gives it a size-limited disk of its own; VMs keep a disk image in it.
     shares_workspace: bool = True
+    # Files of a checkpoint image that the checkpoint store keeps as content-addressed chunks
+    # (state_chunks.py), so that a checkpoint after a small change stores little. Only files
+    # nothing refers to by path (a qcow2 overlay is another disk's backing file: kept whole).
+    state_images: Tuple[str, ...] = ()
 
     @classmethod
     @abc.abstractmethod

@@ -229,6 +229,9 @@ class GVisorSandbox(ProcessSandbox):
 
 class GVisorDriver(Driver):
     name = "gvisor"
+    # runsc's image (unwrapped and chunked, state_chunks.py); a newer runsc with --compression=none
+    # writes the memory beside it, uncompressed, in pages.img (chunked as it is)
+    state_images = ("checkpoint.img", "pages.img")
 
     def __init__(self, root_dir: str, platform: Optional[str] = None):
         self.root_dir = root_dir

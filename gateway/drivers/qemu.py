@@ -458,8 +458,10 @@ class QemuSandbox(ProcessSandbox):
             shutil.move(str(image_dir / "root.qcow2"), self.overlay)
             shutil.move(str(image_dir / "workspace.qcow2"), self.ws_overlay)
         else:
-            for base, top in ((image_dir / "root.qcow2", self.overlay),
-                              (image_dir / "workspace.qcow2", self.ws_overlay)):
+            # resolve(): the checkpoint's own disk, not a link to it in a directory its chunked state
+            # was assembled in for this restore (CheckpointStore.restorable), which goes away.
+            for base, top in ((image_dir.joinpath("root.qcow2").resolve(), self.overlay),
+                              (image_dir.joinpath("workspace.qcow2").resolve(), self.ws_overlay)):
                 top.unlink(missing_ok=True)
                 await self.driver.run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2",
                                       str(top))
@@ -589,6 +591,7 @@ class QemuDriver(Driver):
     env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
     env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
     shares_workspace = False  # its workspace is a qcow2/raw disk kept in the workspace directory
+    state_images = ("state.mig",)  # the migration stream; the overlays are backing files, kept whole
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]

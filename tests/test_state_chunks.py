@@ -1,0 +1,250 @@
+"""Running-state images as shared chunks (gateway/state_chunks.py, through
+CheckpointStore), in-process on files made here: content-defined cuts, gVisor's
+framed image and a plain one round-tripping byte for byte, what a second
+image after a small change adds, sweep, pins, tenants, old whole images and
+damage. The same on real runsc sandboxes: tests/test_checkpoints.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from sandgate.checkpoints import Checkpoint, CheckpointStore
+from sandgate.state_chunks import (MANIFEST, MAX_CHUNK, MIN_CHUNK, DamagedImage, cuts, manifest_keys,
+                                   unwrap_gvisor)
+
+MiB = 1 << 20
+
+
+def memory_like(seed: int, size: int = 8 * MiB) -> bytearray:
+    """Something like a memory image: random pages, zero pages, and pages of small integers."""
+    rnd = random.Random(seed)
+    out = bytearray()
+    while len(out) < size:
+        kind = rnd.random()
+        if kind < 0.3:
+            out += bytes(4096)
+        elif kind < 0.6:
+            out += rnd.randbytes(4096)
+        else:
+            out += struct.pack("<512Q", *(rnd.randrange(1 << 16) for _ in range(512)))
+    return out[:size]
+
+
+def small_change(data: bytearray, seed: int) -> bytearray:
+    """A few bytes changed and an insertion near the start: every later offset shifts."""
+    rnd = random.Random(seed)
+    out = bytearray(data)
+    for _ in range(5):
+        i = rnd.randrange(len(out))
+        out[i] ^= 0xFF
+    out[1000:1000] = rnd.randbytes(300)
+    return out
+
+
+def gvisor_image(stream: bytes, meta: dict) -> bytes:
+    """A state file framed the way runsc 20221219 writes one: magic, metadata,
+    its HMAC (empty key), frame size, then 1 MiB frames of raw deflate."""
+    m = json.dumps(meta).encode()
+    head = b"gVisorSF" + struct.pack(">Q", len(m)) + m
+    import hmac
+    head += hmac.new(b"", head, hashlib.sha256).digest()
+    out = [head, struct.pack(">I", MiB)]
+    for i in range(0, len(stream), MiB):
+        c = zlib.compressobj(1, zlib.DEFLATED, -15)
+        z = c.compress(stream[i:i + MiB]) + c.flush()
+        out += [struct.pack(">I", len(z)), z]
+    return b"".join(out)
+
+
+def take(store: CheckpointStore, name: str, image: bytes, owner: str = "", extra: dict = None) -> Checkpoint:
+    """A checkpoint whose driver wrote ``image`` as ``name`` (and ``extra`` files kept whole)."""
+    cid, _ = store.new_dir()
+    state = store.state_dir(cid)
+    state.mkdir()
+    (state / name).write_bytes(image)
+    for n, b in (extra or {}).items():
+        (state / n).write_bytes(b)
+    state_bytes, stored = store.store_state(cid, owner, (name,))
+    cp = Checkpoint(id=cid, sandbox="sb", owner=owner, created=0, state_bytes=state_bytes, files_bytes=0,
+                    new_bytes=0, stored_bytes=stored)
+    store.commit(cp)
+    return cp
+
+
+def restored(store: CheckpointStore, cid: str, name: str) -> bytes:
+    async def go():
+        async with store.restorable(cid) as d:
+            return (d / name).read_bytes(), d
+    data, d = asyncio.run(go())
+    assert not d.exists() or d == store.state_dir(cid)  # an assembled directory is gone after the restore
+    return data
+
+
+def test_cuts_are_content_defined_and_bounded():
+    data = memory_like(1)
+    ends = cuts(data)
+    assert ends[-1] == len(data)
+    sizes = [b - a for a, b in zip([0] + ends, ends)]
+    assert all(MIN_CHUNK <= s <= MAX_CHUNK for s in sizes[:-1]) and sizes[-1] <= MAX_CHUNK
+    assert cuts(data) == ends  # deterministic
+    shifted = b"x" * 777 + data
+    later = {e for e in cuts(shifted)}
+    # After the insertion the cuts fall at the same content: most ends, moved by 777, are cuts again.
+    assert len([e for e in ends if e + 777 in later]) > 0.9 * len(ends)
+
+
+def test_plain_image_round_trips_and_a_second_one_adds_little(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    first = memory_like(2)
+    cp1 = take(store, "state.mig", bytes(first), extra={"vm.json": b"{}"})
+    state = store.state_dir(cp1.id)
+    assert sorted(p.name for p in state.iterdir()) == [MANIFEST, "vm.json"]  # the image itself is gone
+    assert cp1.state_bytes == len(first) + 2
+    assert 0 < cp1.stored_bytes < len(first)  # compressed: the zero pages cost nothing
+    second = small_change(first, 3)
+    cp2 = take(store, "state.mig", bytes(second))
+    assert cp2.stored_bytes < 0.25 * cp2.state_bytes, (cp2.stored_bytes, cp2.state_bytes)
+    assert restored(store, cp1.id, "state.mig") == first
+    assert restored(store, cp2.id, "state.mig") == second
+
+    async def others():
+        async with store.restorable(cp1.id) as d:  # files kept whole are there too, as links to the real ones
+            return (d / "vm.json").read_bytes(), (d / "vm.json").resolve()
+    body, real = asyncio.run(others())
+    assert body == b"{}" and real == (state / "vm.json").resolve()
+
+
+def test_gvisor_image_is_unwrapped_and_reassembled_as_frames_of_any_size(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    stream = bytes(memory_like(4, 5 * MiB + 12345))
+    image = gvisor_image(stream, {"_timestamp": "now", "cpu_usage": "1s"})
+    header_len = 16 + len(json.dumps({"_timestamp": "now", "cpu_usage": "1s"})) + 32
+    cp = take(store, "checkpoint.img", image)
+    manifest = json.loads((store.state_dir(cp.id) / MANIFEST).read_text())["files"]["checkpoint.img"]
+    assert manifest["format"] == "gvisor" and manifest["codec"] == "deflate-sync" and manifest["size"] == len(image)
+    back = restored(store, cp.id, "checkpoint.img")
+    assert back[:header_len] == image[:header_len]  # header and its HMAC as runsc wrote them
+    assert struct.unpack(">I", back[header_len:header_len + 4])[0] == 0xFFFFFFFF
+    header, inflated = unwrap_gvisor_bytes(tmp_path, back)
+    assert inflated == stream
+    frames, off = 0, header_len + 4
+    while off < len(back):  # chunks joined into frames of about 1 MiB, as many as runsc writes
+        off += 4 + struct.unpack(">I", back[off:off + 4])[0]
+        frames += 1
+    assert off == len(back) and frames <= len(stream) // MiB + 1, frames
+    # A second image a small change apart adds little, in compressed bytes against the compressed image.
+    cp2 = take(store, "checkpoint.img", gvisor_image(bytes(small_change(bytearray(stream), 5)), {"_timestamp": "t2"}))
+    assert cp2.stored_bytes < 0.25 * cp2.state_bytes, (cp2.stored_bytes, cp2.state_bytes)
+
+
+def unwrap_gvisor_bytes(tmp_path: Path, data: bytes):
+    """Header and inflated stream of an assembled image, read as gVisor's reader does: frames of any
+    size (unwrap_gvisor takes only what runsc writes, frames of the header's size)."""
+    (mlen,) = struct.unpack(">Q", data[8:16])
+    off = 16 + mlen + 32 + 4
+    out = bytearray()
+    while off < len(data):
+        (n,) = struct.unpack(">I", data[off:off + 4])
+        out += zlib.decompress(data[off + 4:off + 4 + n], -15)
+        off += 4 + n
+    return data[:16 + mlen + 32], bytes(out)
+
+
+def test_only_images_framed_as_runsc_writes_them_are_unwrapped(tmp_path):
+    stream = bytes(memory_like(11, 3 * MiB))
+    good = tmp_path / "good.img"
+    good.write_bytes(gvisor_image(stream, {}))
+    assert bytes(unwrap_gvisor(good)[1]) == stream
+    odd = tmp_path / "odd.img"  # a short frame before the last: not runsc's; stored as it is
+    image = gvisor_image(stream[:1000], {}) + gvisor_image(stream, {})[len(gvisor_image(b"", {})):]
+    odd.write_bytes(image)
+    assert unwrap_gvisor(odd) is None
+    truncated = tmp_path / "truncated.img"
+    truncated.write_bytes(gvisor_image(stream, {})[:-10])
+    assert unwrap_gvisor(truncated) is None
+    store = CheckpointStore(tmp_path / "ck")
+    cp = take(store, "checkpoint.img", image)  # chunked as it is, and back byte for byte
+    assert restored(store, cp.id, "checkpoint.img") == image
+
+
+def chunk_files(store: CheckpointStore) -> set:
+    return {p.name for p in store.chunks.root.glob("*/*")}
+
+
+def test_sweep_keeps_what_a_checkpoint_needs_and_frees_the_rest(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    first = memory_like(6)
+    cp1 = take(store, "state.mig", bytes(first))
+    cp2 = take(store, "state.mig", bytes(small_change(first, 7)))
+    k1, k2 = set(manifest_keys(store.state_dir(cp1.id))), set(manifest_keys(store.state_dir(cp2.id)))
+    assert k1 & k2 and k1 - k2 and chunk_files(store) == k1 | k2
+    store.discard(cp1.id)
+    assert store.sweep() >= len(k1 - k2)
+    assert chunk_files(store) == k2  # only cp1's own chunks went
+    assert restored(store, cp2.id, "state.mig") == small_change(first, 7)
+    store.discard(cp2.id)
+    store.sweep()
+    assert chunk_files(store) == set()
+
+
+def test_an_unfinished_checkpoints_chunks_are_pinned(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    cid, _ = store.new_dir()
+    store.state_dir(cid).mkdir()
+    (store.state_dir(cid) / "state.mig").write_bytes(bytes(memory_like(8, MiB)))
+    store.store_state(cid, "", ("state.mig",))
+    keys = set(manifest_keys(store.state_dir(cid)))
+    store.sweep()  # not committed yet, but open in this process: kept
+    assert chunk_files(store) == keys
+    store.discard(cid)
+    store.sweep()
+    assert chunk_files(store) == set()
+
+
+def test_tenants_do_not_share_chunks(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    data = bytes(memory_like(9, 2 * MiB))
+    a = take(store, "state.mig", data, owner="alice")
+    b = take(store, "state.mig", data, owner="bob")
+    assert b.stored_bytes == pytest.approx(a.stored_bytes, rel=0.01)  # bob's costs as much as alice's
+    assert not set(manifest_keys(store.state_dir(a.id))) & set(manifest_keys(store.state_dir(b.id)))
+    again = take(store, "state.mig", data, owner="alice")
+    assert again.stored_bytes < 0.03 * a.stored_bytes  # alice's second copy: only its manifest (~86 B a chunk)
+
+
+def test_old_whole_images_restore_as_they_are(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    cid, _ = store.new_dir()
+    state = store.state_dir(cid)
+    state.mkdir()
+    (state / "checkpoint.img").write_bytes(b"whole image")
+    record = {"id": cid, "sandbox": "sb", "created": 0, "state_bytes": 11, "files_bytes": 0, "new_bytes": 5}
+    (store.items / cid / "checkpoint.json").write_text(json.dumps(record))  # a record from before chunking
+    store._close(cid)
+    cp = store.get(cid)
+    assert cp.stored_bytes == 16  # it stored its whole image, and its files
+    assert restored(store, cid, "checkpoint.img") == b"whole image"
+
+    async def where():
+        async with store.restorable(cid) as d:
+            return d
+    assert asyncio.run(where()) == state  # used in place, as before
+
+
+def test_a_missing_chunk_is_named(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    cp = take(store, "state.mig", bytes(memory_like(10, MiB)))
+    key = next(manifest_keys(store.state_dir(cp.id)))
+    store.chunks.path(key).unlink()
+    with pytest.raises(DamagedImage, match=key):
+        restored(store, cp.id, "state.mig")
+    assert not list((store.root / "restoring").iterdir())  # nothing left behind
