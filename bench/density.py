@@ -15,17 +15,15 @@ Goal (issue 15): at most 100 MiB PSS per idle sandbox, so 200+ fit in 24 GiB.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import (IDLE_WAIT, BenchError, DirectTarget, SandgateTarget, _default_home, cell_result, dir_bytes, mib,
+from .kernels import (conclude, IDLE_WAIT, BenchError, DirectTarget, SandgateTarget, _default_home, cell_result, dir_bytes, mib,
                       need_psutil, progress, runtime_memory, runsc_version, tree_memory)
 
 GOAL_PSS_MIB = 100
@@ -151,14 +149,7 @@ def run(args) -> int:
     finally:
         d.teardown()
         t.teardown()
-    if failed:
-        print(f"sandgate bench: {failed}\n  logs: {logdir}", file=sys.stderr)
-        return 130 if failed == "interrupted" else 1
-    Path(args.output).write_text(json.dumps(report, indent=1))
-    shutil.rmtree(logdir, ignore_errors=True)
-    print(table(report))
-    print(f"\nraw numbers: {args.output}")
-    return 0
+    return conclude(failed, logdir, args.output, report, table)
 
 
 def table(r: dict) -> str:

@@ -28,7 +28,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import TIMEOUT, BenchError, SandgateTarget, SDKKernel, _default_home, free_port, percentile, progress
+from .kernels import conclude, TIMEOUT, BenchError, SandgateTarget, SDKKernel, _default_home, free_port, percentile, progress
 
 GOAL = 1.2
 HERE = {"X-Sandgate-Forwarded": "bench"}  # answered by the node asked, never forwarded or placed elsewhere
@@ -406,14 +405,7 @@ def run(args) -> int:
             _cleanup(nodes, made, redis)
         except Exception as e:
             progress(f"warning: cleanup: {e}")
-    if failed:
-        print(f"sandgate bench: {failed}\n  logs: {logdir}", file=sys.stderr)
-        return 130 if failed == "interrupted" else 1
-    Path(args.output).write_text(json.dumps(report, indent=1))
-    shutil.rmtree(logdir, ignore_errors=True)
-    print(table(report))
-    print(f"\nraw numbers: {args.output}")
-    return 0
+    return conclude(failed, logdir, args.output, report, table)
 
 
 def _cleanup(nodes: List[SandgateTarget], made: List[str], redis: Optional[Redis]) -> None:

@@ -82,6 +82,19 @@ def progress(msg: str) -> None:
     print(f"[bench {time.monotonic() - _t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def conclude(failed: Optional[str], logdir: Path, output: str, report: dict, render) -> int:
+    """A bench mode's end: why it failed (its logs kept), or its JSON written, its logs removed
+    and ``render(report)`` printed; the exit status either way."""
+    if failed:
+        print(f"sandgate bench: {failed}\n  logs: {logdir}", file=sys.stderr)
+        return 130 if failed == "interrupted" else 1
+    Path(output).write_text(json.dumps(report, indent=1))
+    shutil.rmtree(logdir, ignore_errors=True)
+    print(render(report))
+    print(f"\nraw numbers: {output}")
+    return 0
+
+
 def need_psutil():
     try:
         import psutil

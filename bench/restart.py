@@ -16,17 +16,14 @@ runs ``x = 41`` in each. Measured:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
-import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import BenchError, SandgateTarget, _default_home, percentile, progress
+from .kernels import conclude, BenchError, SandgateTarget, _default_home, percentile, progress
 
 ROUND_TRIPS = 100
 CODE = "1+1"
@@ -109,19 +106,12 @@ def run(args) -> int:
             t.teardown()
         except Exception as e:
             progress(f"warning: cleanup: {e}")
-    if failed:
-        print(f"sandgate bench: {failed}\n  gateway logs: {logdir}", file=sys.stderr)
-        return 130 if failed == "interrupted" else 1
-    Path(args.output).write_text(json.dumps(report, indent=1))
-    shutil.rmtree(logdir, ignore_errors=True)
-    r = report
-    print(f"| restart with {n} sandboxes | |\n| --- | --- |\n"
-          f"| SIGTERM to exit (all paused to disk) | {r['sigterm_to_exit_s']:.1f} s |\n"
-          f"| serve to answering | {r['start_to_ready_s']:.1f} s |\n"
-          f"| first result per sandbox (resume + cell), median / max | "
-          f"{r['first_result_s']['median']:.2f} / {r['first_result_s']['max']:.2f} s |\n"
-          f"| serve to every sandbox's first result | {r['start_to_all_results_s']:.1f} s |\n"
-          f"| `1+1` p50 before / after | {r['roundtrip_before_ms']['p50']:.1f} / "
-          f"{r['roundtrip_after_ms']['p50']:.1f} ms (ratio {r['roundtrip_ratio_after_before']:.2f}) |")
-    print(f"\nraw numbers: {args.output}")
-    return 0
+    return conclude(failed, logdir, args.output, report, lambda r: (
+        f"| restart with {n} sandboxes | |\n| --- | --- |\n"
+        f"| SIGTERM to exit (all paused to disk) | {r['sigterm_to_exit_s']:.1f} s |\n"
+        f"| serve to answering | {r['start_to_ready_s']:.1f} s |\n"
+        f"| first result per sandbox (resume + cell), median / max | "
+        f"{r['first_result_s']['median']:.2f} / {r['first_result_s']['max']:.2f} s |\n"
+        f"| serve to every sandbox's first result | {r['start_to_all_results_s']:.1f} s |\n"
+        f"| `1+1` p50 before / after | {r['roundtrip_before_ms']['p50']:.1f} / "
+        f"{r['roundtrip_after_ms']['p50']:.1f} ms (ratio {r['roundtrip_ratio_after_before']:.2f}) |"))
