@@ -614,6 +614,10 @@ class Sandbox:
                 raise carry_on_failed or e
             raise Unavailable(f"checkpoint of sandbox {self.id} failed{'; it runs on' if resume else ''}: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
+        # Stored now: the carry-on saved the record before the head existed, and a fleet node
+        # taking this sandbox over after its node dies resumes it from the stored head.
+        if resume:
+            await self.save()
         if carry_on_failed:
             raise carry_on_failed
         if not resume:
