@@ -24,6 +24,23 @@ from sandgate_images import rootfs as images
 
 HOME = Path(os.environ.get("SANDGATE_HOME") or default_home())
 
+# What runs after the core: microVM boots (TCG here), the second runsc, multi-node fleets,
+# benches, a browser and notebooks. `pytest -m "not slow"` runs the core alone.
+SLOW_FILES = ("test_qemu", "test_qemu_confinement", "test_fleet", "test_fleet_executions",
+              "test_fleet_sessions", "test_bench_density", "test_bench_egress", "test_bench_fleet",
+              "test_jupyterlab_browser", "test_notebooks")
+SLOW_PARAMS = ("qemu", "gvisor-runsc-trixie")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.path.stem in SLOW_FILES or any(v in SLOW_PARAMS for v in params.values()):
+            item.add_marker(pytest.mark.slow)
+    # A stable sort keeps each group in file order, so a module-scoped gateway per driver is still
+    # started once; the core's failures show up in the first minutes, not the last.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
 
 @pytest.fixture(scope="session")
 def home() -> Path:

@@ -44,6 +44,18 @@ class Conn:
             if ch == "iopub" and msg_id.encode() in parts[1] and b'"idle"' in parts[3]:
                 return got
 
+    async def until_done(self, msg_id, timeout=30):
+        """Until both the execute_reply (shell) and the idle status (iopub):
+        they travel on two ZMQ sockets, so either may arrive first."""
+        got, reply, idle = [], False, False
+        while not (reply and idle):
+            ch, parts = await asyncio.wait_for(self.queue.get(), timeout)
+            got.append((ch, json.loads(parts[0])["msg_type"], json.loads(parts[3])))
+            if msg_id.encode() in parts[1]:
+                reply = reply or (ch == "shell" and got[-1][1] == "execute_reply")
+                idle = idle or (ch == "iopub" and b'"idle"' in parts[3])
+        return got
+
 
 @pytest.fixture
 def agent(tmp_path):
@@ -215,7 +227,7 @@ def test_trace_spans_across_gateway_and_agent(agent, monkeypatch, caplog):
         mid, parts = execute_parts("1+1")
         trace.ws_received(json.loads(parts[0]))
         a.link.send_kernel("shell", parts)
-        await a.until_idle(mid)
+        await a.until_done(mid)
         return mid
 
     mid = asyncio.run(main())
