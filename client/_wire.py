@@ -2,8 +2,8 @@
 (legacy JSON, and the ``v1.kernel.websocket.jupyter.org`` binary subprotocol), and the
 collection of one request's output and reply (``Collector``). The connections only move frames.
 
-The gateway's side of the same formats is gateway/api/wire.py; the SDK does not import the
-gateway, so it carries its own few lines of each."""
+What the gateway shares with the SDK (the v1 frame layout, iopub output as a dict) lives in
+``protocol``; the gateway's decoding, with its checks on untrusted frames, is gateway/api/wire.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from typing import Any, Callable, List, Optional, Union
 from . import _api as api
 from .errors import SandboxDied
 from .models import Execution, ExecutionError
-
-V1 = "v1.kernel.websocket.jupyter.org"
+from .protocol import V1, output_of, pack_v1
 PROTOCOLS = ("legacy", "v1")
 
 
@@ -38,12 +37,7 @@ def encode(protocol: str, channel: str, header: dict, parent: Optional[dict], co
     """One message as a frame: a JSON text frame (legacy, no buffers) or binary."""
     if protocol == "v1":
         parts = [json.dumps(x).encode() for x in (header, parent or {}, metadata or {}, content)] + list(buffers or [])
-        ch = channel.encode()
-        offsets = [8 * (len(parts) + 3)]
-        offsets.append(offsets[-1] + len(ch))
-        for p in parts:
-            offsets.append(offsets[-1] + len(p))
-        return struct.pack(f"<{len(offsets) + 1}Q", len(offsets), *offsets) + ch + b"".join(parts)
+        return pack_v1(channel, parts)
     msg = json.dumps({"header": header, "parent_header": parent or {}, "metadata": metadata or {},
                       "content": content, "channel": channel})
     if not buffers:
@@ -78,18 +72,6 @@ def decode(protocol: str, data: Union[str, bytes]) -> dict:
     msg.setdefault("msg_type", (msg.get("header") or {}).get("msg_type"))
     msg["buffers"] = buffers
     return msg
-
-
-def output_of(msg_type: str, content: dict) -> Optional[dict]:
-    """A Jupyter iopub message as the sandbox API's output dict."""
-    if msg_type == "stream":
-        return {"type": "stream", "name": content.get("name"), "text": content.get("text", "")}
-    if msg_type in ("execute_result", "display_data"):
-        return {"type": msg_type, "data": content.get("data", {}), "metadata": content.get("metadata", {})}
-    if msg_type == "error":
-        return {"type": "error", "ename": content.get("ename"), "evalue": content.get("evalue"),
-                "traceback": content.get("traceback", [])}
-    return None
 
 
 class Collector:

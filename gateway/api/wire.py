@@ -17,7 +17,7 @@ import json
 import struct
 from typing import List, Tuple, Union
 
-V1 = "v1.kernel.websocket.jupyter.org"
+from sandgate_client.protocol import V1, pack_v1
 CLIENT_CHANNELS = ("shell", "control", "stdin")
 Parts = List[bytes]
 
@@ -60,13 +60,8 @@ def decode_v1(data: Union[bytes, str]) -> Tuple[str, Parts, dict]:
     return _check(channel, parts)
 
 
-def encode_v1(channel: str, parts: Parts) -> bytes:
-    ch = channel.encode()
-    offsets = [8 * (len(parts) + 3)]
-    offsets.append(offsets[-1] + len(ch))
-    for p in parts:
-        offsets.append(offsets[-1] + len(p))
-    return struct.pack(f"<{len(offsets) + 1}Q", len(offsets), *offsets) + ch + b"".join(parts)
+# The layout is the SDK's too: one definition for both sides.
+encode_v1 = pack_v1
 
 
 def decode_legacy(data: Union[bytes, str]) -> Tuple[str, Parts, dict]:

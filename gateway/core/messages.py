@@ -9,6 +9,8 @@ import json
 import uuid
 from typing import List, Optional
 
+from sandgate_client.protocol import output_of  # noqa: F401 (the sandbox API's output dict, as the SDK's)
+
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
@@ -40,12 +42,3 @@ def error_reply(parent: dict, ename: str, evalue: str) -> List[bytes]:
                                      "traceback": [f"{ename}: {evalue}"], "execution_count": None}, parent)
 
 
-def output_of(msg_type: str, content: dict) -> Optional[dict]:
-    if msg_type == "stream":
-        return {"type": "stream", "name": content.get("name"), "text": content.get("text", "")}
-    if msg_type in ("execute_result", "display_data"):
-        return {"type": msg_type, "data": content.get("data", {}), "metadata": content.get("metadata", {})}
-    if msg_type == "error":
-        return {"type": "error", "ename": content.get("ename"), "evalue": content.get("evalue"),
-                "traceback": content.get("traceback", [])}
-    return None

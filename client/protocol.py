@@ -1,0 +1,33 @@
+"""The parts of the Jupyter message formats that the SDK and the gateway share: the
+``v1.kernel.websocket.jupyter.org`` binary frame layout, and an iopub message as the
+sandbox API's output dict. The gateway imports these from here (as jupyter_server takes
+its wire format from jupyter_client), so the two sides cannot drift apart."""
+
+from __future__ import annotations
+
+import struct
+from typing import List, Optional, Sequence
+
+V1 = "v1.kernel.websocket.jupyter.org"
+
+
+def pack_v1(channel: str, parts: Sequence[bytes]) -> bytes:
+    """A v1 frame: little-endian u64 count and offsets (channel, each part, the end), then the bytes."""
+    ch = channel.encode()
+    offsets: List[int] = [8 * (len(parts) + 3)]
+    offsets.append(offsets[-1] + len(ch))
+    for p in parts:
+        offsets.append(offsets[-1] + len(p))
+    return struct.pack(f"<{len(offsets) + 1}Q", len(offsets), *offsets) + ch + b"".join(parts)
+
+
+def output_of(msg_type: str, content: dict) -> Optional[dict]:
+    """A Jupyter iopub message as the sandbox API's output dict; None for what is not output."""
+    if msg_type == "stream":
+        return {"type": "stream", "name": content.get("name"), "text": content.get("text", "")}
+    if msg_type in ("execute_result", "display_data"):
+        return {"type": msg_type, "data": content.get("data", {}), "metadata": content.get("metadata", {})}
+    if msg_type == "error":
+        return {"type": "error", "ename": content.get("ename"), "evalue": content.get("evalue"),
+                "traceback": content.get("traceback", [])}
+    return None
