@@ -222,9 +222,17 @@ class Callbacks:
         # A retry that joins the execution gets its outputs from the start again: the ones
         # already delivered are skipped (index counts this try's, high the most ever delivered).
         self.index = self.high = 0
+        self.reran = False
 
     def rewind(self) -> None:
         self.index = 0
+
+    def begin(self, run: str) -> None:
+        """The gateway says how it serves this try. "new" after outputs were delivered: the run
+        that made them died with its node, and the cell runs again from the sandbox's checkpoint.
+        Its outputs are all passed on, from its start; the result is that run's alone."""
+        if run == "new" and self.high:
+            self.high, self.live, self.reran = 0, Execution(), True
 
     def _call(self, fn, arg) -> None:
         if fn is None:
@@ -270,8 +278,13 @@ def stream_event(cb: Callbacks, event: str, data: str) -> Optional[Execution]:
     if event == "output":
         cb.output(d)
         return None
+    if event == "execution":
+        cb.begin(d.get("run", ""))
+        return None
     if event == "result":
-        return Execution.from_json(d)
+        ex = Execution.from_json(d)
+        ex.reran = cb.reran
+        return ex
     if event == "error":
         raise error_from(None, d)
     return None

@@ -92,6 +92,9 @@ class Execution:
     error: Optional[ExecutionError] = None
     outputs: List[dict] = field(default_factory=list)
     truncated: bool = False
+    # run_code after a lost fleet node: the run that had printed died with it, and the cell ran
+    # again from the sandbox's last checkpoint (the callbacks got both runs' outputs).
+    reran: bool = False
     # Over the kernel websocket only: every raw Jupyter message of this request (as
     # KernelConnection.recv returns them) and the execute_reply's content.
     messages: List[dict] = field(default_factory=list, repr=False)

@@ -1,7 +1,8 @@
-"""The execution-id bookkeeping (gateway/core/executions.py), in process: no sandbox needed."""
+"""The execution-id bookkeeping (gateway/core/executions.py) and the SDK's side of it, in process: no sandbox needed."""
 
 import asyncio
 import functools
+import json
 
 import pytest
 
@@ -117,3 +118,71 @@ def test_websocket_msg_ids_are_accepted_once():
     assert ex.accept("m1")
     assert ex.accept("m2") and ex.accept("m3")  # bounded: m1, the oldest, is forgotten
     assert list(ex.accepted) == ["m2", "m3"]
+
+
+@run
+async def test_on_begin_says_how_an_id_is_served_before_any_output():
+    ex, go, heard = Executions(), asyncio.Event(), []
+
+    async def start(emit):
+        await emit({"type": "stream", "name": "stdout", "text": "one\n"})
+        await go.wait()
+        return result(1, "one\n")
+
+    def listener(name):
+        async def begin(run):
+            heard.append((name, "begin", run))
+
+        async def output(out):
+            heard.append((name, "output", out["text"]))
+        return output, begin
+
+    out, begin = listener("first")
+    first = asyncio.create_task(ex.run("e", start, out, begin))
+    while "e" not in ex.running or not ex.running["e"].outputs:
+        await asyncio.sleep(0)
+    out, begin = listener("joiner")
+    second = asyncio.create_task(ex.run("e", start, out, begin))
+    while ("joiner", "output", "one\n") not in heard:
+        await asyncio.sleep(0)
+    go.set()
+    await first, await second
+    out, begin = listener("late")
+    await ex.run("e", start, out, begin)
+    assert [h for h in heard if h[0] == "first"] == [("first", "begin", "new"), ("first", "output", "one\n")]
+    assert [h for h in heard if h[0] == "joiner"] == [("joiner", "begin", "joined"), ("joiner", "output", "one\n")]
+    assert [h for h in heard if h[0] == "late"] == [("late", "begin", "finished"), ("late", "output", "one\n")]
+
+
+def test_the_sdk_passes_outputs_on_once_unless_the_run_was_lost():
+    """The SDK's side (sandgate_client._api.Callbacks), as the SSE events of two tries drive it: a
+    joined retry's repeated outputs are skipped; a new run after a lost one is passed on whole."""
+    from sandgate_client import _api as api
+
+    def sse(*events):
+        return "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in events).encode()
+
+    def drive(cb, events):
+        done = None
+        for event, data in api.SSEParser().feed(sse(*events)):
+            done = api.stream_event(cb, event, data) or done
+        return done
+
+    def out(text):
+        return ("output", {"type": "stream", "name": "stdout", "text": text})
+
+    final = ("result", result(1, "a\nb\n"))
+    seen = []
+    cb = api.Callbacks(on_stdout=seen.append)
+    drive(cb, [("execution", {"id": "x", "run": "new"}), out("a\n")])  # the connection drops here
+    cb.rewind()
+    ex = drive(cb, [("execution", {"id": "x", "run": "joined"}), out("a\n"), out("b\n"), final])
+    assert seen == ["a\n", "b\n"] and not ex.reran
+
+    seen.clear()
+    cb = api.Callbacks(on_stdout=seen.append)
+    drive(cb, [("execution", {"id": "y", "run": "new"}), out("lost\n")])  # its node dies
+    cb.rewind()
+    ex = drive(cb, [("execution", {"id": "y", "run": "new"}), out("a\n"), out("b\n"), final])
+    assert seen == ["lost\n", "a\n", "b\n"] and ex.reran and ex.stdout == "a\nb\n"
+    assert cb.live.stdout == "a\nb\n"  # what a Timeout would carry: the new run's alone

@@ -10,6 +10,7 @@ there. The SDK's run_code does that retry by itself."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 from conftest import Gateway, wait_for
@@ -18,6 +19,8 @@ from test_fleet import fleet_env, redis  # noqa: F401 (the fixture)
 HERE = {"X-Sandgate-Forwarded": "test"}  # made on the node asked, whatever the capacities say
 # Counts its runs in the kernel; sleeps while `slow` is set (after the checkpoint), so B dies mid-call.
 COUNTED = "import time\nn = globals().get('n', 0) + 1\nif globals().get('slow'):\n    time.sleep(600)\nprint(n)"
+# The same, printing a token of its own run first: two runs are told apart by what they print.
+TOKENED = "import time, uuid\nprint('run', uuid.uuid4().hex, flush=True)\n" + COUNTED.split("\n", 1)[1]
 
 
 def busy_on(node: Gateway, sid: str):
@@ -122,6 +125,9 @@ def test_a_node_killed_mid_execute_gives_503_and_the_retry_runs_once_elsewhere(h
 
 
 def test_the_sdks_run_code_rides_out_the_death_of_the_node_holding_its_sandbox(home, tmp_path, redis):  # noqa: F811
+    """The run going on B dies with B; the SDK's retry through A runs the cell again from the
+    checkpoint, says so (``reran``), and its callbacks get the new run whole after what the lost
+    run had printed: the returned Execution is the new run's alone."""
     from sandgate_client import Sandbox
 
     gws, sid, cp, common = fleet_with_a_checkpointed_sandbox_on_b(home, tmp_path, redis, nodes="ab")
@@ -132,20 +138,23 @@ def test_the_sdks_run_code_rides_out_the_death_of_the_node_holding_its_sandbox(h
 
         def run():
             try:
-                got["ex"] = sb.run_code(COUNTED, on_stdout=streamed.append, timeout=120)
+                got["ex"] = sb.run_code(TOKENED, on_stdout=streamed.append, timeout=120)
             except Exception as e:  # the assertion below says what it was
                 got["error"] = e
 
         call = threading.Thread(target=run)
         call.start()
-        wait_for(lambda: busy_on(b, sid), timeout=60)
+        wait_for(lambda: streamed and busy_on(b, sid), timeout=60)  # the lost run has printed its token
+        lost = "".join(streamed)
         b.proc.kill()
         b.proc.wait()
         call.join(150)
         assert not call.is_alive()
         assert "error" not in got, got
-        assert got["ex"].stdout == "1\n" and got["ex"].error is None, got["ex"]
-        assert streamed == ["1\n"]  # delivered once, from the run that finished
+        ex = got["ex"]
+        assert re.fullmatch(r"run [0-9a-f]{32}\n1\n", ex.stdout) and ex.error is None, ex
+        assert re.fullmatch(r"run [0-9a-f]{32}\n", lost) and lost.split()[1] != ex.stdout.split()[1]
+        assert ex.reran and "".join(streamed) == lost + ex.stdout, (streamed, ex)
         assert a.request("GET", f"/api/sandboxes/{sid}", headers=HERE).json()["state"] == "running"  # on A
         assert a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(n)"}).json()["stdout"] == "1\n"
         assert a.request("DELETE", f"/api/sandboxes/{sid}").status == 204

@@ -111,9 +111,12 @@ class ExecuteHandler(APIHandler):
             self.write(f"event: {event}\ndata: {json.dumps(data)}\n\n")
             await self.flush()
 
+        async def begin(run: str) -> None:  # before any output: a retrying client learns if it is a new run
+            await emit("execution", {"id": body.id, "run": run})
+
         try:
             result = await self.service.execute(sid, body.code, body.timeout, on_output=lambda o: emit("output", o),
-                                                who=self.who, execution_id=body.id)
+                                                who=self.who, execution_id=body.id, on_begin=begin)
         except Exception as e:  # headers are sent: the error travels as an event
             await emit("error", {"message": str(e) or type(e).__name__, "code": getattr(e, "code", "internal")})
         else:

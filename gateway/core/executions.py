@@ -21,6 +21,8 @@ from .errors import Conflict
 ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
 _ID = re.compile(ID_PATTERN)
 OutputCallback = Callable[[dict], Awaitable[None]]
+# How a named execute is served: "new" (run now), "joined" (already running), "finished" (from the record).
+BeginCallback = Callable[[str], Awaitable[None]]
 
 
 class _Running:
@@ -65,8 +67,11 @@ class Executions:
         return bool(_ID.match(execution_id))
 
     async def run(self, execution_id: Optional[str], start: Callable[[OutputCallback], Awaitable[dict]],
-                  on_output: Optional[OutputCallback] = None) -> dict:
-        """``start(on_output)`` runs the cell; it is called at most once per remembered id."""
+                  on_output: Optional[OutputCallback] = None, on_begin: Optional[BeginCallback] = None) -> dict:
+        """``start(on_output)`` runs the cell; it is called at most once per remembered id.
+        ``on_begin`` hears how the id is served before any output: a caller retrying after a
+        lost node learns whether it joined the run it saw or got a new one (the lost run died
+        with its node, so the cell runs again from the sandbox's checkpoint)."""
         if execution_id is None:
             return await start(on_output or _ignore)
         if execution_id in self.finished:
@@ -74,12 +79,16 @@ class Executions:
             if result is None:
                 raise Conflict(f"execution {execution_id} already ran; its result is no longer kept",
                                code="execution_expired")
+            if on_begin:
+                await on_begin("finished")
             if on_output:
                 for out in result["outputs"]:
                     await on_output(out)
             return result
         running = self.running.get(execution_id)
         if running is not None:  # join: what it said so far, then live
+            if on_begin:
+                await on_begin("joined")
             if on_output:
                 for out in list(running.outputs):
                     await on_output(out)
@@ -93,6 +102,8 @@ class Executions:
         if on_output:
             running.listeners.append(on_output)
         try:
+            if on_begin:
+                await on_begin("new")
             result = await start(running.output)
         except BaseException as e:
             # Not run to an answer (no kernel, cancelled): a retry may run it. Joiners get the error.

@@ -920,12 +920,15 @@ class Sandbox:
 
     async def execute(self, code: str, timeout: float,
                       on_output: Optional[Callable[[dict], Awaitable[None]]] = None,
-                      execution_id: Optional[str] = None) -> dict:
+                      execution_id: Optional[str] = None,
+                      on_begin: Optional[Callable[[str], Awaitable[None]]] = None) -> dict:
         """Run one cell and return its outputs; on timeout the cell is interrupted. With an
-        ``execution_id`` the cell runs at most once: a repeat joins it or gets its result."""
+        ``execution_id`` the cell runs at most once: a repeat joins it or gets its result
+        (``on_begin`` hears which: Executions.run)."""
         if self.state in states.WAKES:
             await self.resume()  # first: a take-over's resume brings its checkpoint's ids along
-        return await self.executions.run(execution_id, lambda emit: self._execute(code, timeout, emit), on_output)
+        return await self.executions.run(execution_id, lambda emit: self._execute(code, timeout, emit), on_output,
+                                         on_begin)
 
     async def _execute(self, code: str, timeout: float,
                        on_output: Optional[Callable[[dict], Awaitable[None]]] = None) -> dict:

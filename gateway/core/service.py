@@ -124,6 +124,7 @@ def _num(v: float) -> str:
 
 
 OutputCallback = Callable[[dict], Awaitable[None]]
+BeginCallback = Callable[[str], Awaitable[None]]  # "new", "joined" or "finished": Executions.run
 
 
 class SandboxService:
@@ -404,8 +405,8 @@ class SandboxService:
 
     async def execute(self, sandbox_id: str, code: str, timeout: float,
                       on_output: Optional[OutputCallback] = None, who: Principal = ADMIN,
-                      execution_id: Optional[str] = None) -> dict:
-        return await self.get(sandbox_id, who).execute(code, timeout, on_output, execution_id)
+                      execution_id: Optional[str] = None, on_begin: Optional[BeginCallback] = None) -> dict:
+        return await self.get(sandbox_id, who).execute(code, timeout, on_output, execution_id, on_begin)
 
     # -- files --------------------------------------------------------------------------
     async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN):
