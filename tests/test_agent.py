@@ -304,3 +304,32 @@ def test_iopub_order_with_direct_sends(agent):
     main = [c["text"].strip() if t == "stream" else c["data"]["text/plain"].strip("'") for t, c in got
             if (t == "stream" and c["name"] == "stdout") or (t == "display_data" and c["data"]["text/plain"].startswith("'d"))]
     assert main == [x for i in range(30) for x in (f"p{i}", f"d{i}")]
+
+
+def test_a_child_forked_while_iopub_is_locked_gets_a_free_lock(agent):
+    """The IOPub send lock (sandgate_agent/kernel.py's ``_direct_iopub``) held at a fork stays held
+    in the child forever unless replaced there: the child gets a free one (os.register_at_fork), and
+    the parent's kernel goes on answering."""
+    sock, _ = agent
+    code = ("import os\nfrom ipykernel.iostream import IOPubThread\n"
+            "cells = IOPubThread._really_send.__closure__\n"
+            "state = next(c.cell_contents for c in cells if isinstance(c.cell_contents, dict))\n"
+            "with state['lock']:\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        os._exit(0 if not state['lock'].locked() else 3)\n"
+            "os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])")
+
+    async def main():
+        a = await Conn.open(sock)
+        mid, parts = execute_parts(code)
+        a.link.send_kernel("shell", parts)
+        got = await a.until_idle(mid)
+        mid, parts = execute_parts("'still answering'")
+        a.link.send_kernel("shell", parts)
+        return got, await a.until_idle(mid)
+
+    forked, after = asyncio.run(main())
+    results = [c["data"]["text/plain"] for _, t, c in forked if t == "execute_result"]
+    assert results == ["0"], forked  # 3: the child found the lock held
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "'still answering'" for _, t, c in after)
