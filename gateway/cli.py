@@ -243,7 +243,7 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.load:
+    if args.load is not None:
         from sandgate_bench.load import run as run_load
 
         return run_load(args)
