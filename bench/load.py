@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import (conclude, BenchError, KernelGatewayTarget, SandgateTarget, _default_home, percentile, preflight,
-                      progress, runsc_version)
+from .kernels import (conclude, BenchError, KernelGatewayTarget, SandgateTarget, WSKernel, _default_home, percentile,
+                      preflight, progress, runsc_version)
 
 CELL_TIMEOUT = 60.0  # a cell's messages not all in by then count as lost
 STRAGGLERS = 30.0  # past seconds + CELL_TIMEOUT: the hard end of the load phase
@@ -59,8 +59,10 @@ class Client:
         ``execute``: a lost reply is counted here, not raised."""
         line = f"{self.token}:{i}\n"
         t0 = time.perf_counter()
+        # store_history off: 50 local ipykernels share one IPython history database, whose
+        # "database is locked" warning lands in a cell's stdout (a sandbox has a database of its own)
         mid = self.k.send("execute_request", {"code": f"print('{self.token}:{i}')", "silent": False,
-                                              "store_history": True, "user_expressions": {}, "allow_stdin": False})
+                                              "store_history": False, "user_expressions": {}, "allow_stdin": False})
         self.messages += 1
         self.expected.append(line)
         deadline = time.monotonic() + CELL_TIMEOUT
@@ -171,9 +173,11 @@ def load(kernels: list, seconds: float, max_cells: Optional[int] = None, gateway
 
 # -- `sandgate bench --load N` ------------------------------------------------------
 
-def start_all(target, n: int, bound: float) -> list:
-    """n kernels, one after another, each checked with 1+1; progress as they come up."""
-    kernels = []
+def start_all(target, n: int, bound: float) -> List[str]:
+    """n kernels, one after another, each checked with 1+1; progress as they come up. Their websockets
+    are closed again: one left unread while the rest start answers no pings, and a gateway closes it
+    (Tornado: no pong within 90 s)."""
+    ids = []
     t0 = time.monotonic()
     for i in range(n):
         if time.monotonic() - t0 > bound:
@@ -181,18 +185,28 @@ def start_all(target, n: int, bound: float) -> list:
         k = target.start_kernel()
         if (k.execute("1+1")["result"] or {}).get("text/plain") != "2":
             raise BenchError(f"{target.name}: 1+1 in kernel {k.id} gave no 2")
-        kernels.append(k)
+        k.close()
+        ids.append(k.id)
         if (i + 1) % 5 == 0 or i + 1 == n:
             progress(f"{target.name}: {i + 1}/{n} kernels up ({time.monotonic() - t0:.0f} s)")
-    return kernels
+    return ids
+
+
+def connect_all(target, ids: List[str]) -> list:
+    """A fresh websocket to each kernel, just before the load (the SDK's for Sandgate); the target closes them."""
+    for kid in ids:
+        target.kernels[kid] = (target.connect(kid) if isinstance(target, SandgateTarget)
+                               else WSKernel(target.port, target.token, kid))
+    return [target.kernels[kid] for kid in ids]
 
 
 def measure(target, n: int, seconds: float) -> dict:
     progress(f"starting {target.name} on port {target.port} (log {target.log_path})")
     target.setup()
     t0 = time.monotonic()
-    kernels = start_all(target, n, bound=max(300.0, 20.0 * n))
+    ids = start_all(target, n, bound=max(300.0, 20.0 * n))
     started = time.monotonic() - t0
+    kernels = connect_all(target, ids)
     progress(f"{target.name}: driving {n} kernels for {seconds:g} s")
     r = load(kernels, seconds, gateway_pid=target.proc.pid)
     r.update(start_all_s=started, loadavg=list(os.getloadavg()))
