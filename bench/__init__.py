@@ -4,4 +4,5 @@ trip, memory and checkpoints against jupyter-client and Kernel Gateway;
 drivers.py: the drivers side by side; restart.py: a gateway restart;
 egress.py: the egress proxy against direct connections, and the 1+1 round
 trip with egress on and off (egress_client.py is the HTTP client it runs on
-the host and inside a sandbox)."""
+the host and inside a sandbox); load.py: kernels driven at once (--load, and the
+fleet's load run)."""

@@ -12,9 +12,9 @@ shared, and one shared checkpoint directory. Measured:
   time and several concurrently;
 * load: --fleet-kernels kernels placed by capacity across the nodes, each
   driven by its own client, half of them connected to a node that is not the
-  owner, for --fleet-seconds (and at most --fleet-cells cells each): p50/p99,
-  cells/s, and lost messages (an execute_request without its execute_reply,
-  its stream output and an idle status, matched by msg_id), which must be 0;
+  owner, for --fleet-seconds (and at most --fleet-cells cells each): the load
+  run of bench/load.py: p50/p99, cells/s, and lost, duplicated or out-of-order
+  messages, which must be 0;
 * node death: sandboxes on C, checkpointed; kill -9 C; from the kill to the
   first of them answering a cell through A (the take-over path), and all.
 """
@@ -29,18 +29,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import conclude, TIMEOUT, BenchError, SandgateTarget, SDKKernel, _default_home, free_port, percentile, progress
+from .kernels import conclude, TIMEOUT, BenchError, SandgateTarget, _default_home, free_port, progress
+from .load import load as load_run, stats
 
 GOAL = 1.2
 HERE = {"X-Sandgate-Forwarded": "bench"}  # answered by the node asked, never forwarded or placed elsewhere
-CELL_TIMEOUT = 60.0  # a load cell's messages not all in by then count as lost
 
 
 class Redis:
@@ -100,10 +99,6 @@ def call(node: SandgateTarget, method: str, path: str, body=None, headers=None, 
     if expect and status not in expect:
         raise BenchError(f"{node.name}: {method} {path} answered {status}: {out}\n{node.log_tail()}")
     return status, out
-
-
-def stats(xs: List[float]) -> dict:
-    return {"n": len(xs), "p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3} if xs else {"n": 0}
 
 
 # -- round trip ------------------------------------------------------------------
@@ -172,100 +167,17 @@ def lookups(redis_url: str, sid: str, seconds: float, concurrency: List[int]) ->
 
 # -- load ------------------------------------------------------------------------
 
-def checked_cell(k: SDKKernel, i: int) -> tuple:
-    """print(i) with its reply, stream and idle all matched by msg_id: (the round trip, None),
-    or (None, what was missing or wrong) when lost. The stream's text is the cell's stream
-    messages joined: a loaded kernel may flush print's "i" and its "\\n" as two messages.
-    Raw messages, not ``execute``: a lost reply is counted here, not raised."""
-    from sandgate_client import Timeout
-
-    t0 = time.perf_counter()
-    mid = k.send("execute_request", {"code": f"print({i})", "silent": False, "store_history": True,
-                                     "user_expressions": {}, "allow_stdin": False})
-    deadline = time.monotonic() + CELL_TIMEOUT
-    reply, text, idle = None, "", False
-    pieces = 0
-    while not (reply and idle):  # ipykernel flushes a cell's stdout before its idle status
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:  # by the clock: a connection's pings must not keep a lost cell waiting
-                raise Timeout("the cell's deadline passed")
-            m = k.recv(left)
-        except Timeout:
-            return None, (f"cell {i} (msg_id {mid}) incomplete after {CELL_TIMEOUT:g} s: execute_reply "
-                          f"{reply or 'missing'}, stream {text!r}, idle status {'seen' if idle else 'missing'}")
-        if m.get("parent_header", {}).get("msg_id") != mid:
-            continue
-        t = m.get("msg_type") or m["header"]["msg_type"]
-        if t == "execute_reply":
-            reply = m["content"].get("status")
-        elif t == "stream" and m["content"].get("name") == "stdout":
-            text += m["content"].get("text", "")
-            pieces += 1
-        elif t == "status" and m["content"].get("execution_state") == "idle":
-            idle = True
-    if reply != "ok" or text != f"{i}\n":
-        return None, f"cell {i} (msg_id {mid}): execute_reply {reply}, stream {text!r} (expected {f'{i}'!r} and a newline)"
-    k.split_streams += pieces > 1  # counted: how often the one-message reading was wrong
-    return time.perf_counter() - t0, None
-
-
 def load(nodes: List[SandgateTarget], kernels: List[str], owner: Dict[str, int], seconds: float,
          max_cells: int) -> dict:
-    times: List[float] = []
-    lost = [0]
-    errors: List[str] = []
-    lock = threading.Lock()
-    via_other = 0
-    clients = []
-    for n, sid in enumerate(kernels):
-        # every second kernel through a node that does not hold it
-        node = nodes[owner[sid]] if n % 2 == 0 else nodes[(owner[sid] + 1) % len(nodes)]
-        via_other += n % 2
-        clients.append(node.connect(sid))
-        clients[-1].split_streams = 0  # cells whose stdout came as more than one stream message
-    start = threading.Event()
-    end = [0.0]
-
-    def drive(k: SDKKernel):
-        start.wait()
-        mine: List[float] = []
-        try:
-            for i in range(max_cells):
-                if time.monotonic() >= end[0]:
-                    break
-                got, missing = checked_cell(k, i)
-                if got is None:
-                    with lock:
-                        lost[0] += 1
-                        errors.append(f"{k.id}: {missing}")
-                else:
-                    mine.append(got)
-        except Exception as e:  # a connection dropped: its cell is lost, and says why
-            with lock:
-                lost[0] += 1
-                errors.append(f"{k.id}: {e}")
-        with lock:
-            times.extend(mine)
-
-    threads = [threading.Thread(target=drive, args=(k,), daemon=True) for k in clients]
-    for t in threads:
-        t.start()
-    t0 = time.monotonic()
-    end[0] = t0 + seconds
-    start.set()
-    bound = t0 + seconds + CELL_TIMEOUT + 30  # each recv is bounded by the clock: this is a backstop
-    for t in threads:
-        t.join(max(0.0, bound - time.monotonic()))
-    wall = time.monotonic() - t0
-    stuck = sum(t.is_alive() for t in threads)
-    if stuck:  # closing their sockets under them would be read as their cells' errors
-        raise BenchError(f"load: {stuck} client threads still running {wall:.0f} s after the start")
-    for k in clients:
-        k.close()
-    return {"kernels": len(kernels), "through_other_node": via_other, "seconds": wall, "cells": len(times),
-            "cells_per_s": len(times) / wall, "lost": lost[0], "errors": errors[:5],
-            "split_stdout": sum(k.split_streams for k in clients), **stats(times)}
+    """The shared load run (bench/load.py), every second kernel through a node that does not hold it."""
+    clients = [nodes[owner[sid]] if n % 2 == 0 else nodes[(owner[sid] + 1) % len(nodes)] for n, sid in enumerate(kernels)]
+    conns = [node.connect(sid) for node, sid in zip(clients, kernels)]
+    try:
+        out = load_run(conns, seconds, max_cells)
+    finally:
+        for k in conns:
+            k.close()
+    return {**out, "through_other_node": len(kernels) // 2}
 
 
 # -- node death ------------------------------------------------------------------
@@ -450,6 +362,7 @@ def table(r: dict) -> str:
              f"{ld['cells']} cells, {ld['cells_per_s']:.1f} cells/s |",
              f"| load p50/p99 | {ld.get('p50_ms', 0):.1f} / {ld.get('p99_ms', 0):.1f} ms |",
              f"| lost messages | {ld['lost']} |",
+             f"| duplicated or out-of-order messages | {ld['duplicated'] + ld['out_of_order']} |",
              f"| cells whose stdout came in more than one stream message (joined, not lost) | {ld['split_stdout']} |",
              f"| kill -9 to first restored sandbox answering (of {d['sandboxes']}) | {d['first_s']:.1f} s |",
              f"| kill -9 to all answering | {d['all_s']:.1f} s |"]

@@ -243,6 +243,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.load is not None:
+        from sandgate_bench.load import run as run_load
+
+        return run_load(args)
     if args.fleet:
         from sandgate_bench.fleet import run as run_fleet
 
@@ -374,6 +378,12 @@ def main(argv=None) -> int:
                         "and 16 connections); the 1+1 round trip with egress on and off")
     b.add_argument("--egress-seconds", type=float, default=2.0, metavar="S",
                    help="with --egress: seconds per measurement (default 2)")
+    b.add_argument("--load", type=int, nargs="?", const=50, metavar="N",
+                   help="a load run instead: N sandboxes (default 50) running cells at once for --load-seconds, "
+                        "beside N local ipykernels behind Kernel Gateway: p50/p99 round trip, cells/s, gateway CPU "
+                        "per message, and lost, duplicated or out-of-order messages (which fail the run)")
+    b.add_argument("--load-seconds", type=float, default=60.0, metavar="S",
+                   help="with --load: length of each side's load phase (default 60)")
     b.add_argument("--fleet", action="store_true",
                    help="a fleet instead: redis-server and three nodes on loopback; the 1+1 round trip through a "
                         "second node vs direct, routing lookups/s, a load run with p50/p99 and lost messages, "
