@@ -226,28 +226,36 @@ def test_an_unpausable_sandbox_at_sigterm_is_reported_not_silently_dropped(home,
 
 def test_a_long_cell_runs_through_a_checkpoint_and_its_reply_arrives(home, tmp_path):
     """The restored agent checks its kernel on the control channel: on shell it
-    would wait behind this cell, give up after 5 s and lose the cell's reply."""
+    would wait behind this cell, give up after 5 s and lose the cell's reply.
+    The cell ticks until the test lets it finish, so it is still running however
+    long the checkpoint takes, and goes on for more than those 5 s after it."""
     g = Gateway(home, tmp_path)
     try:
         kid = g.start_kernel()
         c = g.connect(kid)
-        mid = c.send("execute_request", {"code": "import time\nfor i in range(15): time.sleep(1)\nprint('finished')",
-                                         "silent": False, "store_history": True, "user_expressions": {},
-                                         "allow_stdin": False})
+        mid = c.send("execute_request", {"code": (
+            "import os, time\nwhile not os.path.exists('go'):\n    print('tick')\n    time.sleep(1)\nprint('finished')"),
+            "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False})
         wait_for(lambda: g.request("GET", f"/api/kernels/{kid}").json()["execution_state"] == "busy", 30, 0.1)
         r = g.request("POST", f"/api/sandboxes/{kid}/checkpoints", {})
         assert r.status == 201, r.body
         assert g.request("GET", f"/api/kernels/{kid}").json()["execution_state"] == "busy"
-        out, reply = "", None
+        out, reply, ticks_after = "", None, None
         while reply is None:
             m = c.recv(120)
             if m["parent_header"].get("msg_id") != mid:
                 continue
             if m["msg_type"] == "stream":
                 out += m["content"]["text"]
+                if ticks_after is None:
+                    ticks_after = out.count("tick")  # what had come out by the checkpoint's end, at most
+                elif out.count("tick") - ticks_after == 7:  # past the 5 s a shell probe would wait
+                    r = g.request("PUT", f"/api/sandboxes/{kid}/files/go", raw=b"")
+                    assert r.status == 201, r.body
             elif m["msg_type"] == "execute_reply":
                 reply = m["content"]
-        assert reply["status"] == "ok" and out == "finished\n"
+        assert reply["status"] == "ok", reply
+        assert out.endswith("tick\nfinished\n") and set(out.split()) == {"tick", "finished"}, out
         assert c.execute("1 + 1")["results"][0]["text/plain"] == "2"
         c.close()
     finally:
