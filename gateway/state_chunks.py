@@ -13,16 +13,23 @@ and shared by every checkpoint that has it.
 gVisor compresses its image itself (flate, in independent 1 MiB frames,
 ``pkg/compressio``): compressed bytes share nothing either, so a gVisor image
 is unwrapped first: its header is kept as it is, its frames are inflated and
-the inflated stream is chunked. Its chunks are stored as raw deflate ending in
-a sync flush (byte-aligned, not final), so that putting the image back
-together is a concatenation: consecutive chunks and an empty final block make
-one frame of about 1 MiB (one flate stream, as many frames as runsc wrote:
-a frame per chunk measured slower to read back), in a new image whose
-header's frame size is 0xFFFFFFFF. gVisor's reader places a frame straight
-into the caller's buffer only when a whole frame of the header's size fits
-there, which never happens with that size, so frames of any size are read
-correctly (all 20221219 reads, and later ones without ``compression: none``). Other images are chunked as they are and
-their chunks stored as zstd (faster than zlib by 4-10x at a similar size).
+the inflated stream is chunked. Its chunks are stored as zstd, like any
+other (codec ``zstd``, format ``gvisor``). ``assemble`` writes the stream
+back uncompressed inside the framing runsc reads: frames of about 1 MiB
+(consecutive chunks), each one flate stream of *stored* blocks (BTYPE 00, at
+most 65535 bytes each, the last one final), in a new image whose header's
+frame size is 0xFFFFFFFF. Inflating a stored block is a copy, so runsc loads
+the image without decompressing it (flate at level 1 was ~690 ms of an
+~80 MB template's restore). gVisor's reader places a frame straight into the
+caller's buffer only when a whole frame of the header's size fits there,
+which never happens with that size, so frames of any size are read correctly
+(all 20221219 reads, and later ones without ``compression: none``).
+
+Checkpoints taken before stored their gVisor chunks as raw deflate ending in
+a sync flush (codec ``deflate-sync``): those still assemble, by
+concatenation (consecutive chunks and an empty final block make one frame).
+Other images are chunked as they are and their chunks stored as zstd (faster
+than zlib by 4-10x at a similar size).
 
 A chunk's name is a hash of its owner, its codec and its content (one
 namespace per tenant, as for workspace blobs): two owners storing the same
@@ -61,6 +68,7 @@ WRITERS = 4  # threads storing new chunks
 _ANY_SIZE = 0xFFFFFFFF  # gVisor frame size meaning "frames of any size" (see above)
 _FRAME = 1 << 20  # uncompressed bytes per frame of an assembled gVisor image, at least
 _FINAL = b"\x03\x00"  # an empty final deflate block (fixed Huffman): ends a frame of sync-flushed chunks
+_STORED = 0xFFFF  # bytes in a stored deflate block, at most
 
 
 class DamagedImage(ValueError):
@@ -165,7 +173,6 @@ class ChunkStore:
         self.root = root
         self._base = str(root) + "/"
         root.mkdir(parents=True, exist_ok=True)
-        self._zd = zstandard.ZstdDecompressor()
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / key
@@ -187,13 +194,12 @@ class ChunkStore:
                 continue
             size = path.stat().st_size
             unwrapped = unwrap_gvisor(path)
+            codec = "zstd"
             if unwrapped is not None:
                 header, data = unwrapped
-                codec = "deflate-sync"
                 entry = {"size": size, "format": "gvisor", "header": header.hex()}
             else:
                 data = bytearray(path.read_bytes())
-                codec = "zstd"
                 entry = {"size": size, "format": "raw"}
             view = memoryview(data)
             prefix = hashlib.sha256(b"sandgate-chunk\0" + owner.encode() + b"\0" + codec.encode() + b"\0")
@@ -214,12 +220,7 @@ class ChunkStore:
                     return os.stat(p).st_size, 0
                 except FileNotFoundError:
                     pass
-                piece = view[s:e]
-                if codec == "deflate-sync":
-                    c = zlib.compressobj(1, zlib.DEFLATED, -15)
-                    blob = c.compress(piece) + c.flush(zlib.Z_SYNC_FLUSH)
-                else:
-                    blob = zstandard.ZstdCompressor(level=1).compress(piece)
+                blob = zstandard.ZstdCompressor(level=1).compress(view[s:e])
                 self._write(p, blob)
                 return len(blob), len(blob)
 
@@ -286,6 +287,7 @@ class ChunkStore:
     def assemble(self, state_dir: Path, dest: Path) -> None:
         """Write the images the manifest of ``state_dir`` lists into ``dest``."""
         manifest = read_manifest(state_dir)
+        zd = zstandard.ZstdDecompressor()  # one per call: an instance is not for concurrent threads
         for name, entry in manifest["files"].items():
             if "/" in name or name in ("", ".", ".."):
                 raise DamagedImage(f"unsafe name in a state manifest: {name!r}")
@@ -293,34 +295,61 @@ class ChunkStore:
             try:
                 parts: List[bytes] = []
                 pending = 0
-                if entry["format"] == "gvisor":
+                gvisor = entry["format"] == "gvisor"
+                if gvisor:
                     parts.append(bytes.fromhex(entry["header"]) + struct.pack(">I", _ANY_SIZE))
-                deflate = entry["codec"] == "deflate-sync"
+                if entry["codec"] == "deflate-sync":  # checkpoints from before stored frames
+                    if not gvisor:
+                        raise DamagedImage(f"{name}: codec deflate-sync in a {entry['format']} image")
+                    self._assemble_deflate(fd, parts, entry["chunks"])
+                    continue
+                if entry["codec"] != "zstd":
+                    raise DamagedImage(f"{name}: unknown codec {entry['codec']!r}")
                 frame: List[bytes] = []
-                framed = inflated = 0
+                inflated = 0
                 for key, length, stored in entry["chunks"]:
-                    blob = self._read(key, stored)
-                    if deflate:
-                        frame.append(blob)
-                        framed += stored
+                    try:
+                        data = zd.decompress(self._read(key, stored), max_output_size=length)
+                    except zstandard.ZstdError as e:
+                        raise DamagedImage(f"chunk {key} of {name} is damaged: {e}") from None
+                    if len(data) != length:
+                        raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
+                    if gvisor:
+                        frame.append(data)
                         inflated += length
                         if inflated >= _FRAME:
-                            parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
-                            frame, framed, inflated = [], 0, 0
+                            parts += _stored_frame(b"".join(frame))
+                            frame, inflated = [], 0
                     else:
-                        data = self._zd.decompress(blob, max_output_size=length)
-                        if len(data) != length:
-                            raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
                         parts.append(data)
                     pending += length
                     if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
                         _write_all(fd, parts)
                         parts, pending = [], 0
                 if frame:
-                    parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+                    parts += _stored_frame(b"".join(frame))
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
+
+    def _assemble_deflate(self, fd: int, parts: List[bytes], chunks) -> None:
+        """A gVisor image of sync-flushed raw deflate chunks, by concatenation: consecutive chunks
+        and an empty final block make one frame of about 1 MiB."""
+        frame: List[bytes] = []
+        framed = inflated = 0
+        for key, length, stored in chunks:
+            frame.append(self._read(key, stored))
+            framed += stored
+            inflated += length
+            if inflated >= _FRAME:
+                parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+                frame, framed, inflated = [], 0, 0
+            if len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
+                _write_all(fd, parts)
+                parts = []
+        if frame:
+            parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+        _write_all(fd, parts)
 
     def sweep(self, live: Set[str], old) -> int:
         """Remove chunks not in ``live`` (and leftover temporaries) for which
@@ -334,6 +363,19 @@ class ChunkStore:
 
     def size(self) -> int:
         return sum(p.stat().st_size for p in self.root.glob("*/*"))
+
+
+def _stored_frame(data: bytes) -> List[bytes]:
+    """One frame of an assembled gVisor image: its size, then ``data`` (not empty) as one flate
+    stream of stored blocks, the last one final. runsc's inflate of a stored block is a copy."""
+    n = len(data)
+    blocks = -(-n // _STORED)
+    view = memoryview(data)
+    parts = [struct.pack(">I", n + 5 * blocks)]
+    for i in range(blocks):
+        piece = view[i * _STORED:(i + 1) * _STORED]
+        parts += (struct.pack("<BHH", i == blocks - 1, len(piece), len(piece) ^ 0xFFFF), piece)
+    return parts
 
 
 def _write_all(fd: int, parts: List[bytes]) -> None:

@@ -127,6 +127,23 @@ def test_running_state_checkpoints_store_only_changes(gw):
         gw.request("DELETE", f"/api/sandboxes/{s}")
 
 
+def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
+    """Checkpoints from before stored-block frames keep their gVisor chunks as sync-flushed raw
+    deflate (codec deflate-sync): runsc restores them as it did."""
+    from sandgate.checkpoints import CheckpointStore
+    from test_state_chunks import to_deflate_sync
+
+    sid = create(gw)["id"]
+    ex(gw, sid, "x = 41")
+    cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    to_deflate_sync(CheckpointStore(gw.home / "checkpoints"), cp["id"])
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 201, r.body
+    assert ex(gw, r.json()["id"], "x += 1; print(x)").stdout == "42\n"
+    for s in (r.json()["id"], sid):
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
 def json_keys(gw, cid):
     from sandgate.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
