@@ -144,6 +144,29 @@ def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
         gw.request("DELETE", f"/api/sandboxes/{s}")
 
 
+def test_the_template_image_is_assembled_once_and_kept(gw):
+    """Every start from an empty pool restores the template: its image is assembled at the first
+    and kept beside its chunks (checkpoints/items/<id>/assembled) for the next ones."""
+    import json
+    import struct
+
+    templates = gw.home / "templates.json"
+    wait_for(templates.is_file, timeout=300)  # made in the background after the gateway's start
+    cid = next(iter(json.loads(templates.read_text()).values()))
+    sid = create(gw)["id"]  # taken from the pool, or restored from the template: a refill follows
+    image = gw.home / "checkpoints" / "items" / cid / "assembled" / "checkpoint.img"
+    wait_for(image.is_file, timeout=120)
+    assert (image.parent.parent / "state" / "chunks.json").is_file()  # the chunks stay what is stored
+    head = image.read_bytes()[:1 << 16]
+    (mlen,) = struct.unpack(">Q", head[8:16])
+    assert head[:8] == b"gVisorSF" and head[16 + mlen + 32:16 + mlen + 36] == b"\xff\xff\xff\xff"
+    second = create(gw)["id"]  # the next refill restores from the kept image
+    wait_for(lambda: f"checkpoint {cid}: assembled image kept" in gw.log_text(), timeout=120)
+    assert ex(gw, second, "print(1 + 1)").stdout == "2\n"
+    for s in (sid, second):
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
 def json_keys(gw, cid):
     from sandgate.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")

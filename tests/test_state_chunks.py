@@ -210,6 +210,47 @@ def test_gvisor_images_stored_before_as_deflate_sync_still_restore(tmp_path):
     assert unwrap_gvisor_bytes(tmp_path, back)[1] == stream
 
 
+def test_a_kept_image_is_assembled_once_and_goes_with_its_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    stream = bytes(memory_like(13, 2 * MiB))
+    cp = take(store, "checkpoint.img", gvisor_image(stream, {}), extra={"meta.json": b"{}"})
+    once = restored(store, cp.id, "checkpoint.img")
+
+    async def kept():
+        async with store.restorable(cp.id, keep=True) as d:
+            return d, (d / "checkpoint.img").read_bytes(), (d / "meta.json").read_bytes()
+    d, image, meta = asyncio.run(kept())
+    assert d == store.items / cp.id / "assembled" and d.is_dir()  # still there after the restore
+    assert image == once and meta == b"{}"
+    # Assembled once: later restores read the kept image, not the chunks (here gone).
+    key = next(manifest_keys(store.state_dir(cp.id)))
+    store.chunks.path(key).rename(tmp_path / "aside")
+    with pytest.raises(DamagedImage, match=key):
+        restored(store, cp.id, "checkpoint.img")
+    assert asyncio.run(kept())[1] == once
+    store.chunks.path(key).parent.joinpath(key).write_bytes((tmp_path / "aside").read_bytes())
+    # Not in the record's accounting (a copy of the chunks); kept by a sweep while committed.
+    assert store.get(cp.id).stored_bytes == cp.stored_bytes < len(once)
+    store.sweep()
+    assert d.is_dir()
+    store.discard(cp.id)
+    assert not d.exists()
+
+
+def test_a_crashed_assembly_is_swept(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    cp = take(store, "state.mig", bytes(memory_like(14, MiB)))
+    left = store.items / cp.id / "assembled.tmp-dead"
+    left.mkdir()
+    (left / "state.mig").write_bytes(b"partial")
+    store.sweep()
+    assert left.exists()  # young: perhaps another process's, still being written
+    os.utime(left, (0, 0))
+    store.sweep()
+    assert not left.exists()
+    assert (store.items / cp.id / "checkpoint.json").is_file()
+
+
 def test_only_images_framed_as_runsc_writes_them_are_unwrapped(tmp_path):
     stream = bytes(memory_like(11, 3 * MiB))
     good = tmp_path / "good.img"
