@@ -17,8 +17,8 @@ the inflated stream is chunked. Its chunks are stored as zstd, like any
 other (codec ``zstd``, format ``gvisor``). ``assemble`` writes the stream
 back uncompressed inside the framing runsc reads: frames of about 1 MiB
 (consecutive chunks), each one flate stream of *stored* blocks (BTYPE 00, at
-most 65535 bytes each, the last one final), in a new image whose header's
-frame size is 0xFFFFFFFF. Inflating a stored block is a copy, so runsc loads
+most 65535 bytes each: a chunk is one or two) ending in an empty final one,
+in a new image whose header's frame size is 0xFFFFFFFF. Inflating a stored block is a copy, so runsc loads
 the image without decompressing it (flate at level 1 was ~690 ms of an
 ~80 MB template's restore). gVisor's reader places a frame straight into the
 caller's buffer only when a whole frame of the header's size fits there,
@@ -69,6 +69,8 @@ _ANY_SIZE = 0xFFFFFFFF  # gVisor frame size meaning "frames of any size" (see ab
 _FRAME = 1 << 20  # uncompressed bytes per frame of an assembled gVisor image, at least
 _FINAL = b"\x03\x00"  # an empty final deflate block (fixed Huffman): ends a frame of sync-flushed chunks
 _STORED = 0xFFFF  # bytes in a stored deflate block, at most
+_STORED_FINAL = b"\x01\x00\x00\xff\xff"  # an empty final stored block: ends a frame of stored blocks
+_BATCH = 128  # chunks read and decompressed at a time (about 2 MiB)
 
 
 class DamagedImage(ValueError):
@@ -284,10 +286,11 @@ class ChunkStore:
             raise DamagedImage(f"chunk {key} has {len(blob)} stored bytes, not {size}")
         return blob
 
-    def assemble(self, state_dir: Path, dest: Path) -> None:
-        """Write the images the manifest of ``state_dir`` lists into ``dest``."""
+    def assemble(self, state_dir: Path, dest: Path, level: Optional[int] = None) -> None:
+        """Write the images the manifest of ``state_dir`` lists into ``dest``. ``level``: a gVisor
+        image's frames deflated at that level, as runsc writes them (a quarter of the bytes, for
+        a copy sent elsewhere), not stored."""
         manifest = read_manifest(state_dir)
-        zd = zstandard.ZstdDecompressor()  # one per call: an instance is not for concurrent threads
         for name, entry in manifest["files"].items():
             if "/" in name or name in ("", ".", ".."):
                 raise DamagedImage(f"unsafe name in a state manifest: {name!r}")
@@ -306,31 +309,62 @@ class ChunkStore:
                 if entry["codec"] != "zstd":
                     raise DamagedImage(f"{name}: unknown codec {entry['codec']!r}")
                 frame: List[bytes] = []
-                inflated = 0
-                for key, length, stored in entry["chunks"]:
-                    try:
-                        data = zd.decompress(self._read(key, stored), max_output_size=length)
-                    except zstandard.ZstdError as e:
-                        raise DamagedImage(f"chunk {key} of {name} is damaged: {e}") from None
-                    if len(data) != length:
-                        raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
-                    if gvisor:
+                inflated = framed = 0
+                for data in self._contents(name, entry["chunks"]):
+                    length = len(data)
+                    if not gvisor:
+                        parts.append(data)
+                    elif level is None:  # stored blocks of the chunk itself: no copy
+                        for i in range(0, length, _STORED):
+                            piece = data[i:i + _STORED]
+                            frame += (struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece)
+                            framed += 5 + len(piece)
+                        inflated += length
+                        if inflated >= _FRAME:
+                            parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
+                            frame, inflated, framed = [], 0, 0
+                    else:
                         frame.append(data)
                         inflated += length
                         if inflated >= _FRAME:
-                            parts += _stored_frame(b"".join(frame))
+                            parts += _deflated_frame(b"".join(frame), level)
                             frame, inflated = [], 0
-                    else:
-                        parts.append(data)
                     pending += length
                     if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
                         _write_all(fd, parts)
                         parts, pending = [], 0
-                if frame:
-                    parts += _stored_frame(b"".join(frame))
+                if frame and level is None:
+                    parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
+                elif frame:
+                    parts += _deflated_frame(b"".join(frame), level)
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
+
+    def _contents(self, name: str, chunks: list) -> Iterator[bytes]:
+        """The content of zstd ``chunks``, in order: read and decompressed by two threads, a batch
+        or two ahead of the caller (decompressing was half of an assemble; reading a quarter)."""
+        def batch(part) -> List[bytes]:
+            zd = zstandard.ZstdDecompressor()  # one per batch: an instance is not for concurrent threads
+            out = []
+            for key, length, stored in part:
+                try:
+                    data = zd.decompress(self._read(key, stored), max_output_size=length)
+                except zstandard.ZstdError as e:
+                    raise DamagedImage(f"chunk {key} of {name} is damaged: {e}") from None
+                if len(data) != length:
+                    raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
+                out.append(data)
+            return out
+
+        batches = [chunks[i:i + _BATCH] for i in range(0, len(chunks), _BATCH)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ahead = [pool.submit(batch, b) for b in batches[:2]]
+            for i in range(len(batches)):
+                done = ahead.pop(0).result()
+                if i + 2 < len(batches):
+                    ahead.append(pool.submit(batch, batches[i + 2]))
+                yield from done
 
     def _assemble_deflate(self, fd: int, parts: List[bytes], chunks) -> None:
         """A gVisor image of sync-flushed raw deflate chunks, by concatenation: consecutive chunks
@@ -365,17 +399,11 @@ class ChunkStore:
         return sum(p.stat().st_size for p in self.root.glob("*/*"))
 
 
-def _stored_frame(data: bytes) -> List[bytes]:
-    """One frame of an assembled gVisor image: its size, then ``data`` (not empty) as one flate
-    stream of stored blocks, the last one final. runsc's inflate of a stored block is a copy."""
-    n = len(data)
-    blocks = -(-n // _STORED)
-    view = memoryview(data)
-    parts = [struct.pack(">I", n + 5 * blocks)]
-    for i in range(blocks):
-        piece = view[i * _STORED:(i + 1) * _STORED]
-        parts += (struct.pack("<BHH", i == blocks - 1, len(piece), len(piece) ^ 0xFFFF), piece)
-    return parts
+def _deflated_frame(data: bytes, level: int) -> List[bytes]:
+    """One frame of an assembled gVisor image as runsc writes one: its size, then ``data`` deflated."""
+    c = zlib.compressobj(level, zlib.DEFLATED, -15)
+    z = c.compress(data) + c.flush()
+    return [struct.pack(">I", len(z)), z]
 
 
 def _write_all(fd: int, parts: List[bytes]) -> None:

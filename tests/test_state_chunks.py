@@ -162,6 +162,20 @@ def unwrap_gvisor_bytes(tmp_path: Path, data: bytes):
     return data[:16 + mlen + 32], bytes(out)
 
 
+def test_an_image_assembled_to_be_sent_elsewhere_is_deflated(tmp_path):
+    """The S3 replica uploads the whole image (checkpoint_replica.py): its frames deflated as runsc
+    writes them, not stored."""
+    store = CheckpointStore(tmp_path / "ck")
+    stream = bytes(memory_like(16, 3 * MiB))
+    cp = take(store, "checkpoint.img", gvisor_image(stream, {}))
+    for level, d in ((None, tmp_path / "stored"), (1, tmp_path / "deflated")):
+        d.mkdir()
+        store.chunks.assemble(store.state_dir(cp.id), d, level=level)
+    stored, deflated = ((tmp_path / d / "checkpoint.img").read_bytes() for d in ("stored", "deflated"))
+    assert unwrap_gvisor_bytes(tmp_path, deflated)[1] == stream
+    assert len(deflated) < 0.8 * len(stored), (len(deflated), len(stored))
+
+
 def stored_blocks(frame: bytes) -> bytes:
     """``frame`` walked as deflate stored blocks (BTYPE 00), the last one final and ending it."""
     off = 0
