@@ -167,6 +167,37 @@ def test_the_template_image_is_assembled_once_and_kept(gw):
         gw.request("DELETE", f"/api/sandboxes/{s}")
 
 
+def test_a_template_stored_in_the_old_chunk_format_is_made_anew(home, tmp_path):
+    """A template from before zstd gVisor chunks would be inflated by runsc at every start from an
+    empty pool: the next gateway makes a new one (and the old one is collected)."""
+    import json
+
+    from sandgate.checkpoints import CheckpointStore
+    from test_state_chunks import to_deflate_sync
+
+    g = Gateway(home, tmp_path)
+    templates = g.home / "templates.json"
+    try:
+        wait_for(templates.is_file, timeout=300)
+        old = next(iter(json.loads(templates.read_text()).values()))
+    finally:
+        g.stop()
+    to_deflate_sync(CheckpointStore(g.home / "checkpoints"), old)
+    g2 = Gateway(home, tmp_path, own_home=g.home)
+    try:
+        wait_for(lambda: next(iter(json.loads(templates.read_text()).values())) != old, timeout=300)
+        assert f"template checkpoint {old} is stored in an older format" in g2.log_text()
+        new = next(iter(json.loads(templates.read_text()).values()))
+        manifest = json.loads((g.home / "checkpoints" / "items" / new / "state" / "chunks.json").read_text())
+        assert manifest["files"]["checkpoint.img"]["codec"] == "zstd"
+        sid = create(g2)["id"]
+        assert ex(g2, sid, "print(1 + 1)").stdout == "2\n"
+        g2.request("DELETE", f"/api/sandboxes/{sid}")
+        wait_for(lambda: not (g.home / "checkpoints" / "items" / old).exists(), timeout=120)  # collected
+    finally:
+        g2.stop()
+
+
 def json_keys(gw, cid):
     from sandgate.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
