@@ -63,7 +63,7 @@ class S3Replica:
         if (state / MANIFEST).is_file():  # the image itself goes up, not its chunks
             whole = store.root / "restoring" / f"upload-{uuid.uuid4().hex[:12]}"
             whole.mkdir(parents=True)
-            store.chunks.assemble(state, whole)
+            store.chunks.assemble(state, whole, level=1)  # deflated: a quarter of the stored frames' bytes
         try:
             files = [(p, p.relative_to(state)) for p in state.rglob("*") if p.is_file() and p.name != MANIFEST]
             files += [(p, p.relative_to(whole)) for p in whole.iterdir()] if whole else []

@@ -61,6 +61,7 @@ from pydantic import BaseModel, Field, model_serializer, model_validator
 from .state_chunks import MANIFEST as STATE_MANIFEST, ChunkStore, manifest_keys
 
 CHUNK = 1 << 20
+ASSEMBLED = "assembled"  # a template's images, assembled once (CheckpointStore.restorable(keep=True))
 _ZEROS = bytes(CHUNK)  # shared: holes are hashed from it, never read from disk
 _COPY_STEP = 64 << 20  # copy_file_range per call, so a cancel is seen between steps
 _SEEK_DATA = getattr(os, "SEEK_DATA", None)
@@ -339,6 +340,7 @@ class CheckpointStore:
         self._pins: Dict[str, Set[str]] = {}  # pin key (a cid or a token) -> blobs an unfinished snapshot uses
         self._loose: Set[str] = set()  # tokens of finished snapshots taken without a cid
         self._running = 0
+        self._assembling: Dict[str, threading.Lock] = {}  # cid -> held while its kept image is assembled
 
     # -- records -----------------------------------------------------------
 
@@ -377,15 +379,24 @@ class CheckpointStore:
             self._pins.setdefault(cid, set()).update(keys)
 
     @contextlib.asynccontextmanager
-    async def restorable(self, cid: str, move: bool = False):
+    async def restorable(self, cid: str, move: bool = False, keep: bool = False):
         """A directory holding checkpoint ``cid``'s state image as its driver
         wrote it: the state directory itself for a whole image; else a new one
         (removed afterwards) with the images assembled from their chunks and
         the other files linked (``move``: moved, for a restore that consumes
-        them; the checkpoint is discarded after)."""
+        them; the checkpoint is discarded after). ``keep``: for a checkpoint
+        restored again and again (a template), the images are assembled once
+        and kept beside its state (``assembled/``) for every later restore."""
         state = self.state_dir(cid)
         if not (state / STATE_MANIFEST).is_file():
             yield state
+            return
+        if keep and not move:
+            t0 = time.monotonic()
+            kept = await asyncio.to_thread(self._assembled, cid)
+            log.info("checkpoint %s: assembled image %s in %.0f ms", cid, "kept" if kept[1] else "built and kept",
+                     (time.monotonic() - t0) * 1000)
+            yield kept[0]
             return
         work = self.root / "restoring" / uuid.uuid4().hex[:12]
 
@@ -400,10 +411,42 @@ class CheckpointStore:
             self.chunks.assemble(state, work)
 
         try:
+            t0 = time.monotonic()
             await asyncio.to_thread(build)
+            log.info("checkpoint %s: image assembled in %.0f ms", cid, (time.monotonic() - t0) * 1000)
             yield work
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
+
+    def _assembled(self, cid: str) -> Tuple[Path, bool]:
+        """Checkpoint ``cid``'s images assembled in ``items/<cid>/assembled`` (built under a
+        temporary name and renamed, so one that exists is whole), and whether it was there
+        already. It goes with the checkpoint's directory; it is a copy of what its chunks hold,
+        so no record's ``stored_bytes`` counts it (about ``state_bytes``, uncompressed)."""
+        kept = self.items / cid / ASSEMBLED
+        if kept.is_dir():
+            return kept, True
+        with self._lock:
+            lock = self._assembling.setdefault(cid, threading.Lock())
+        with lock:  # concurrent restores of one template assemble it once
+            if kept.is_dir():
+                return kept, True
+            state = self.state_dir(cid)
+            tmp = self.items / cid / f"{ASSEMBLED}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                tmp.mkdir()
+                for p in state.iterdir():
+                    if p.name != STATE_MANIFEST:  # relative: the links hold wherever the store is mounted
+                        (tmp / p.name).symlink_to(Path("..") / "state" / p.name)
+                self.chunks.assemble(state, tmp)
+                try:
+                    os.rename(tmp, kept)
+                except OSError as e:  # another process renamed its own first: use that one
+                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return kept, False
 
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha
@@ -757,6 +800,9 @@ class CheckpointStore:
                     blob.unlink(missing_ok=True)
                     removed += 1
             removed += self.chunks.sweep(self._live_chunks(), self._old)
+            for d in self.items.glob(f"*/{ASSEMBLED}.tmp-*"):  # _assembled() removes its own: a crash's
+                if time.time() - d.stat().st_mtime > SHARED_GRACE:
+                    shutil.rmtree(d, ignore_errors=True)
             restoring = self.root / "restoring"  # restorable() removes its own: these are a crash's
             if restoring.is_dir():
                 for d in restoring.iterdir():

@@ -13,16 +13,23 @@ and shared by every checkpoint that has it.
 gVisor compresses its image itself (flate, in independent 1 MiB frames,
 ``pkg/compressio``): compressed bytes share nothing either, so a gVisor image
 is unwrapped first: its header is kept as it is, its frames are inflated and
-the inflated stream is chunked. Its chunks are stored as raw deflate ending in
-a sync flush (byte-aligned, not final), so that putting the image back
-together is a concatenation: consecutive chunks and an empty final block make
-one frame of about 1 MiB (one flate stream, as many frames as runsc wrote:
-a frame per chunk measured slower to read back), in a new image whose
-header's frame size is 0xFFFFFFFF. gVisor's reader places a frame straight
-into the caller's buffer only when a whole frame of the header's size fits
-there, which never happens with that size, so frames of any size are read
-correctly (all 20221219 reads, and later ones without ``compression: none``). Other images are chunked as they are and
-their chunks stored as zstd (faster than zlib by 4-10x at a similar size).
+the inflated stream is chunked. Its chunks are stored as zstd, like any
+other (codec ``zstd``, format ``gvisor``). ``assemble`` writes the stream
+back uncompressed inside the framing runsc reads: frames of about 1 MiB
+(consecutive chunks), each one flate stream of *stored* blocks (BTYPE 00, at
+most 65535 bytes each: a chunk is one or two) ending in an empty final one,
+in a new image whose header's frame size is 0xFFFFFFFF. Inflating a stored block is a copy, so runsc loads
+the image without decompressing it (flate at level 1 was ~690 ms of an
+~80 MB template's restore). gVisor's reader places a frame straight into the
+caller's buffer only when a whole frame of the header's size fits there,
+which never happens with that size, so frames of any size are read correctly
+(all 20221219 reads, and later ones without ``compression: none``).
+
+Checkpoints taken before stored their gVisor chunks as raw deflate ending in
+a sync flush (codec ``deflate-sync``): those still assemble, by
+concatenation (consecutive chunks and an empty final block make one frame).
+Other images are chunked as they are and their chunks stored as zstd (faster
+than zlib by 4-10x at a similar size).
 
 A chunk's name is a hash of its owner, its codec and its content (one
 namespace per tenant, as for workspace blobs): two owners storing the same
@@ -61,6 +68,9 @@ WRITERS = 4  # threads storing new chunks
 _ANY_SIZE = 0xFFFFFFFF  # gVisor frame size meaning "frames of any size" (see above)
 _FRAME = 1 << 20  # uncompressed bytes per frame of an assembled gVisor image, at least
 _FINAL = b"\x03\x00"  # an empty final deflate block (fixed Huffman): ends a frame of sync-flushed chunks
+_STORED = 0xFFFF  # bytes in a stored deflate block, at most
+_STORED_FINAL = b"\x01\x00\x00\xff\xff"  # an empty final stored block: ends a frame of stored blocks
+_BATCH = 128  # chunks read and decompressed at a time (about 2 MiB)
 
 
 class DamagedImage(ValueError):
@@ -165,7 +175,6 @@ class ChunkStore:
         self.root = root
         self._base = str(root) + "/"
         root.mkdir(parents=True, exist_ok=True)
-        self._zd = zstandard.ZstdDecompressor()
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / key
@@ -187,13 +196,12 @@ class ChunkStore:
                 continue
             size = path.stat().st_size
             unwrapped = unwrap_gvisor(path)
+            codec = "zstd"
             if unwrapped is not None:
                 header, data = unwrapped
-                codec = "deflate-sync"
                 entry = {"size": size, "format": "gvisor", "header": header.hex()}
             else:
                 data = bytearray(path.read_bytes())
-                codec = "zstd"
                 entry = {"size": size, "format": "raw"}
             view = memoryview(data)
             prefix = hashlib.sha256(b"sandgate-chunk\0" + owner.encode() + b"\0" + codec.encode() + b"\0")
@@ -214,12 +222,7 @@ class ChunkStore:
                     return os.stat(p).st_size, 0
                 except FileNotFoundError:
                     pass
-                piece = view[s:e]
-                if codec == "deflate-sync":
-                    c = zlib.compressobj(1, zlib.DEFLATED, -15)
-                    blob = c.compress(piece) + c.flush(zlib.Z_SYNC_FLUSH)
-                else:
-                    blob = zstandard.ZstdCompressor(level=1).compress(piece)
+                blob = zstandard.ZstdCompressor(level=1).compress(view[s:e])
                 self._write(p, blob)
                 return len(blob), len(blob)
 
@@ -283,8 +286,10 @@ class ChunkStore:
             raise DamagedImage(f"chunk {key} has {len(blob)} stored bytes, not {size}")
         return blob
 
-    def assemble(self, state_dir: Path, dest: Path) -> None:
-        """Write the images the manifest of ``state_dir`` lists into ``dest``."""
+    def assemble(self, state_dir: Path, dest: Path, level: Optional[int] = None) -> None:
+        """Write the images the manifest of ``state_dir`` lists into ``dest``. ``level``: a gVisor
+        image's frames deflated at that level, as runsc writes them (a quarter of the bytes, for
+        a copy sent elsewhere), not stored."""
         manifest = read_manifest(state_dir)
         for name, entry in manifest["files"].items():
             if "/" in name or name in ("", ".", ".."):
@@ -293,34 +298,92 @@ class ChunkStore:
             try:
                 parts: List[bytes] = []
                 pending = 0
-                if entry["format"] == "gvisor":
+                gvisor = entry["format"] == "gvisor"
+                if gvisor:
                     parts.append(bytes.fromhex(entry["header"]) + struct.pack(">I", _ANY_SIZE))
-                deflate = entry["codec"] == "deflate-sync"
+                if entry["codec"] == "deflate-sync":  # checkpoints from before stored frames
+                    if not gvisor:
+                        raise DamagedImage(f"{name}: codec deflate-sync in a {entry['format']} image")
+                    self._assemble_deflate(fd, parts, entry["chunks"])
+                    continue
+                if entry["codec"] != "zstd":
+                    raise DamagedImage(f"{name}: unknown codec {entry['codec']!r}")
                 frame: List[bytes] = []
-                framed = inflated = 0
-                for key, length, stored in entry["chunks"]:
-                    blob = self._read(key, stored)
-                    if deflate:
-                        frame.append(blob)
-                        framed += stored
+                inflated = framed = 0
+                for data in self._contents(name, entry["chunks"]):
+                    length = len(data)
+                    if not gvisor:
+                        parts.append(data)
+                    elif level is None:  # stored blocks of the chunk itself: no copy
+                        for i in range(0, length, _STORED):
+                            piece = data[i:i + _STORED]
+                            frame += (struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece)
+                            framed += 5 + len(piece)
                         inflated += length
                         if inflated >= _FRAME:
-                            parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
-                            frame, framed, inflated = [], 0, 0
+                            parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
+                            frame, inflated, framed = [], 0, 0
                     else:
-                        data = self._zd.decompress(blob, max_output_size=length)
-                        if len(data) != length:
-                            raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
-                        parts.append(data)
+                        frame.append(data)
+                        inflated += length
+                        if inflated >= _FRAME:
+                            parts += _deflated_frame(b"".join(frame), level)
+                            frame, inflated = [], 0
                     pending += length
                     if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
                         _write_all(fd, parts)
                         parts, pending = [], 0
-                if frame:
-                    parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+                if frame and level is None:
+                    parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
+                elif frame:
+                    parts += _deflated_frame(b"".join(frame), level)
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
+
+    def _contents(self, name: str, chunks: list) -> Iterator[bytes]:
+        """The content of zstd ``chunks``, in order: read and decompressed by two threads, a batch
+        or two ahead of the caller (decompressing was half of an assemble; reading a quarter)."""
+        def batch(part) -> List[bytes]:
+            zd = zstandard.ZstdDecompressor()  # one per batch: an instance is not for concurrent threads
+            out = []
+            for key, length, stored in part:
+                try:
+                    data = zd.decompress(self._read(key, stored), max_output_size=length)
+                except zstandard.ZstdError as e:
+                    raise DamagedImage(f"chunk {key} of {name} is damaged: {e}") from None
+                if len(data) != length:
+                    raise DamagedImage(f"chunk {key} of {name} has {len(data)} bytes, not {length}")
+                out.append(data)
+            return out
+
+        batches = [chunks[i:i + _BATCH] for i in range(0, len(chunks), _BATCH)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ahead = [pool.submit(batch, b) for b in batches[:2]]
+            for i in range(len(batches)):
+                done = ahead.pop(0).result()
+                if i + 2 < len(batches):
+                    ahead.append(pool.submit(batch, batches[i + 2]))
+                yield from done
+
+    def _assemble_deflate(self, fd: int, parts: List[bytes], chunks) -> None:
+        """A gVisor image of sync-flushed raw deflate chunks, by concatenation: consecutive chunks
+        and an empty final block make one frame of about 1 MiB."""
+        frame: List[bytes] = []
+        framed = inflated = 0
+        for key, length, stored in chunks:
+            frame.append(self._read(key, stored))
+            framed += stored
+            inflated += length
+            if inflated >= _FRAME:
+                parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+                frame, framed, inflated = [], 0, 0
+            if len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
+                _write_all(fd, parts)
+                parts = []
+        if frame:
+            parts += (struct.pack(">I", framed + 2), *frame, _FINAL)
+        _write_all(fd, parts)
 
     def sweep(self, live: Set[str], old) -> int:
         """Remove chunks not in ``live`` (and leftover temporaries) for which
@@ -334,6 +397,13 @@ class ChunkStore:
 
     def size(self) -> int:
         return sum(p.stat().st_size for p in self.root.glob("*/*"))
+
+
+def _deflated_frame(data: bytes, level: int) -> List[bytes]:
+    """One frame of an assembled gVisor image as runsc writes one: its size, then ``data`` deflated."""
+    c = zlib.compressobj(level, zlib.DEFLATED, -15)
+    z = c.compress(data) + c.flush()
+    return [struct.pack(">I", len(z)), z]
 
 
 def _write_all(fd: int, parts: List[bytes]) -> None:

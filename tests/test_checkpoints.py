@@ -127,6 +127,77 @@ def test_running_state_checkpoints_store_only_changes(gw):
         gw.request("DELETE", f"/api/sandboxes/{s}")
 
 
+def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
+    """Checkpoints from before stored-block frames keep their gVisor chunks as sync-flushed raw
+    deflate (codec deflate-sync): runsc restores them as it did."""
+    from sandgate.checkpoints import CheckpointStore
+    from test_state_chunks import to_deflate_sync
+
+    sid = create(gw)["id"]
+    ex(gw, sid, "x = 41")
+    cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    to_deflate_sync(CheckpointStore(gw.home / "checkpoints"), cp["id"])
+    r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
+    assert r.status == 201, r.body
+    assert ex(gw, r.json()["id"], "x += 1; print(x)").stdout == "42\n"
+    for s in (r.json()["id"], sid):
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
+def test_the_template_image_is_assembled_once_and_kept(gw):
+    """Every start from an empty pool restores the template: its image is assembled at the first
+    and kept beside its chunks (checkpoints/items/<id>/assembled) for the next ones."""
+    import json
+    import struct
+
+    templates = gw.home / "templates.json"
+    wait_for(templates.is_file, timeout=300)  # made in the background after the gateway's start
+    cid = next(iter(json.loads(templates.read_text()).values()))
+    sid = create(gw)["id"]  # taken from the pool, or restored from the template: a refill follows
+    image = gw.home / "checkpoints" / "items" / cid / "assembled" / "checkpoint.img"
+    wait_for(image.is_file, timeout=120)
+    assert (image.parent.parent / "state" / "chunks.json").is_file()  # the chunks stay what is stored
+    head = image.read_bytes()[:1 << 16]
+    (mlen,) = struct.unpack(">Q", head[8:16])
+    assert head[:8] == b"gVisorSF" and head[16 + mlen + 32:16 + mlen + 36] == b"\xff\xff\xff\xff"
+    second = create(gw)["id"]  # the next refill restores from the kept image
+    wait_for(lambda: f"checkpoint {cid}: assembled image kept" in gw.log_text(), timeout=120)
+    assert ex(gw, second, "print(1 + 1)").stdout == "2\n"
+    for s in (sid, second):
+        gw.request("DELETE", f"/api/sandboxes/{s}")
+
+
+def test_a_template_stored_in_the_old_chunk_format_is_made_anew(home, tmp_path):
+    """A template from before zstd gVisor chunks would be inflated by runsc at every start from an
+    empty pool: the next gateway makes a new one (and the old one is collected)."""
+    import json
+
+    from sandgate.checkpoints import CheckpointStore
+    from test_state_chunks import to_deflate_sync
+
+    g = Gateway(home, tmp_path)
+    templates = g.home / "templates.json"
+    try:
+        wait_for(templates.is_file, timeout=300)
+        old = next(iter(json.loads(templates.read_text()).values()))
+    finally:
+        g.stop()
+    to_deflate_sync(CheckpointStore(g.home / "checkpoints"), old)
+    g2 = Gateway(home, tmp_path, own_home=g.home)
+    try:
+        wait_for(lambda: next(iter(json.loads(templates.read_text()).values())) != old, timeout=300)
+        assert f"template checkpoint {old} is stored in an older format" in g2.log_text()
+        new = next(iter(json.loads(templates.read_text()).values()))
+        manifest = json.loads((g.home / "checkpoints" / "items" / new / "state" / "chunks.json").read_text())
+        assert manifest["files"]["checkpoint.img"]["codec"] == "zstd"
+        sid = create(g2)["id"]
+        assert ex(g2, sid, "print(1 + 1)").stdout == "2\n"
+        g2.request("DELETE", f"/api/sandboxes/{sid}")
+        wait_for(lambda: not (g.home / "checkpoints" / "items" / old).exists(), timeout=120)  # collected
+    finally:
+        g2.stop()
+
+
 def json_keys(gw, cid):
     from sandgate.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")

@@ -18,6 +18,7 @@ import uuid
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..checkpoints import Checkpoint
+from ..state_chunks import read_manifest
 from .record import SandboxRecord
 from .sandbox import Sandbox
 from .states import State
@@ -42,6 +43,8 @@ class WarmPool:
         self._refilling: set = set()
         self._tasks: set = set()  # refills in flight, cancelled by close()
         self.failures = 0  # refills that failed, for operators
+        self._current: set = set()  # template ids whose stored image format was checked
+        self._outdated: set = set()  # template ids to be made anew (logged once)
 
     def _key(self, driver: str) -> str:
         from sandgate_images import rootfs as images
@@ -56,9 +59,29 @@ class WarmPool:
             return None
         cid = self.templates.get(self._key(driver))
         try:
-            return self.manager.checkpoints.get(cid) if cid else None
+            cp = self.manager.checkpoints.get(cid) if cid else None
         except KeyError:
             return None
+        return cp if cp is None or self._stored_as_now(cp.id) else None
+
+    def _stored_as_now(self, cid: str) -> bool:
+        """Whether template ``cid``'s image is stored as checkpoints are now. One from before gVisor
+        chunks were zstd (codec deflate-sync) would be inflated by runsc at every restore: it is
+        made anew instead (the old one is collected once no longer a template)."""
+        if cid in self._current or cid in self._outdated:
+            return cid in self._current
+        try:
+            files = read_manifest(self.manager.checkpoints.state_dir(cid))["files"]
+        except ValueError:
+            files = {}  # damaged: its restore says so
+        if any(e.get("codec") == "deflate-sync" for e in files.values()):
+            if cid not in self._outdated:
+                self._outdated.add(cid)
+                log.info("template checkpoint %s is stored in an older format (deflate-sync): a new one will be "
+                         "made", cid)
+            return False
+        self._current.add(cid)
+        return True
 
     def is_template(self, cid: str) -> bool:
         return cid in self.templates.values()

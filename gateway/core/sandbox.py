@@ -275,6 +275,8 @@ class Sandbox:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {why}")
         if restore_from:
             metrics.RESTORE.labels(self.record.driver).observe(time.monotonic() - t0)
+            log.info("sandbox %s: restored by %s in %.0f ms", self.id, self.record.driver,
+                     (time.monotonic() - t0) * 1000)
         if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
                         ready.result()[0]["egress_error"])
@@ -294,7 +296,8 @@ class Sandbox:
     async def boot_checkpoint(self, cid: str) -> None:
         """``boot`` from checkpoint ``cid``'s running state (assembled from its chunks if stored so)."""
         try:
-            async with self.manager.checkpoints.restorable(cid) as image:
+            # A template is restored at every start from an empty pool: its image is assembled once.
+            async with self.manager.checkpoints.restorable(cid, keep=self.manager.pool.is_template(cid)) as image:
                 await self.boot(restore_from=image)
         except (OSError, ValueError) as e:  # a chunk or the manifest missing or damaged
             raise Unavailable(f"sandbox {self.id} failed to restore checkpoint {cid}: {e}") from None
