@@ -310,33 +310,34 @@ class ChunkStore:
                     raise DamagedImage(f"{name}: unknown codec {entry['codec']!r}")
                 frame: List[bytes] = []
                 inflated = framed = 0
+
+                def close_frame() -> List[bytes]:
+                    if level is None:
+                        return [struct.pack(">I", framed + 5), *frame, _STORED_FINAL]
+                    return _deflated_frame(b"".join(frame), level)
+
                 for data in self._contents(name, entry["chunks"]):
                     length = len(data)
                     if not gvisor:
                         parts.append(data)
-                    elif level is None:  # stored blocks of the chunk itself: no copy
-                        for i in range(0, length, _STORED):
-                            piece = data[i:i + _STORED]
-                            frame += (struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece)
-                            framed += 5 + len(piece)
-                        inflated += length
-                        if inflated >= _FRAME:
-                            parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
-                            frame, inflated, framed = [], 0, 0
                     else:
-                        frame.append(data)
+                        if level is None:  # stored blocks of the chunk itself: no copy
+                            for i in range(0, length, _STORED):
+                                piece = data[i:i + _STORED]
+                                frame += (struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece)
+                                framed += 5 + len(piece)
+                        else:
+                            frame.append(data)
                         inflated += length
                         if inflated >= _FRAME:
-                            parts += _deflated_frame(b"".join(frame), level)
-                            frame, inflated = [], 0
+                            parts += close_frame()
+                            frame, inflated, framed = [], 0, 0
                     pending += length
                     if pending >= 4 << 20 or len(parts) >= 512:  # writev takes at most IOV_MAX (1024) buffers
                         _write_all(fd, parts)
                         parts, pending = [], 0
-                if frame and level is None:
-                    parts += (struct.pack(">I", framed + 5), *frame, _STORED_FINAL)
-                elif frame:
-                    parts += _deflated_frame(b"".join(frame), level)
+                if frame:
+                    parts += close_frame()
                 _write_all(fd, parts)
             finally:
                 os.close(fd)

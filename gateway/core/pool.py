@@ -75,10 +75,9 @@ class WarmPool:
         except ValueError:
             files = {}  # damaged: its restore says so
         if any(e.get("codec") == "deflate-sync" for e in files.values()):
-            if cid not in self._outdated:
-                self._outdated.add(cid)
-                log.info("template checkpoint %s is stored in an older format (deflate-sync): a new one will be "
-                         "made", cid)
+            self._outdated.add(cid)  # first sight (the check above): logged once
+            log.info("template checkpoint %s is stored in an older format (deflate-sync): a new one will be "
+                     "made", cid)
             return False
         self._current.add(cid)
         return True
