@@ -24,6 +24,7 @@ def cmd_serve(args) -> int:
     from sandgate_images import rootfs as images
 
     from .app import make_app, make_service, start_egress
+    from .malloc import return_large_blocks
     from .core.culler import Culler
     from .core.fleet import Fleet
 
@@ -49,6 +50,7 @@ def cmd_serve(args) -> int:
             print(f"sandgate: cannot build the sandbox image: {e}", file=sys.stderr)
             return 1
 
+    return_large_blocks()
     # One gateway per home: at start it reclaims whatever sandboxes and
     # workspaces are there, which would be another live gateway's.
     settings.home.mkdir(parents=True, exist_ok=True)
