@@ -74,18 +74,25 @@ def agent(tmp_path):
 
 
 def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
-    sock, _ = agent
+    sock, ws = agent
 
     async def main():
         a = await Conn.open(sock)
         mid, parts = execute_parts("x = 41")
         a.link.send_kernel("shell", parts)
         await a.until_idle(mid)
-        mid, parts = execute_parts("import time; time.sleep(1); print('late')")
+        # The cell prints only once the test says so: a fixed sleep could end, on a loaded host,
+        # before the stream below is closed, and its output would go to that stream.
+        mid, parts = execute_parts("import os, sys, time\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
+                                   "print('late'); sys.stdout.flush()\nopen('printed', 'w').close()")
         a.link.send_kernel("shell", parts)
         await a.link.writer.drain()
         await a.link.close()  # the gateway goes away mid-cell
-        await asyncio.sleep(3)
+        (ws / "go").touch()
+        deadline = time.monotonic() + 60
+        while not (ws / "printed").exists():  # printed, with nobody listening
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
         b = await Conn.open(sock)
         got = await b.until_idle(mid)  # buffered while nobody listened
         assert ("iopub", "stream", {"name": "stdout", "text": "late\n"}) in got
