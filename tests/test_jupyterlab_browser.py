@@ -104,10 +104,11 @@ def _drive(gateway, page, base, tmp_path):
     cells = page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell")
     expect(cells).to_have_count(len(CELLS), timeout=2 * T)
     status = page.locator(".jp-NotebookPanel-toolbar [data-jp-item-name=executionProgress] .jp-Notebook-ExecutionIndicator")
-    # The session's kernel started in the gateway and Lab is connected to it.
-    expect(status).to_have_attribute("data-status", "idle", timeout=2 * T)
-    kernels = gateway.request("GET", "/api/kernels").json()
+    # The session's kernel started in the gateway and Lab is connected to it. The indicator
+    # also reads "idle" before Lab has asked for a kernel, so the gateway's list comes first.
+    kernels = wait_for(lambda: gateway.request("GET", "/api/kernels").json(), timeout=2 * T / 1000)
     assert len(kernels) == 1, kernels
+    expect(status).to_have_attribute("data-status", "idle", timeout=2 * T)
     kid = kernels[0]["id"]
     # Lab's server lists the gateway's kernels as its own.
     listed = page.request.get(f"{base}/api/kernels", headers={"Authorization": "token jtok"}).json()
