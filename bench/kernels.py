@@ -761,7 +761,7 @@ def runtime_memory(keys: List[str]) -> dict:
 
 def measure_checkpoints(t: SandgateTarget) -> dict:
     """Checkpoint, fork, pause and resume on one warm sandbox over the sandbox API."""
-    raw = {"checkpoint_s": [], "state_bytes": [], "files_bytes": [], "new_bytes": [], "fork_s": [],
+    raw = {"checkpoint_s": [], "state_bytes": [], "files_bytes": [], "new_bytes": [], "stored_bytes": [], "fork_s": [],
            "fork_sees_x": [], "pause_s": [], "resume_execute_s": [], "paused_rss": [], "paused_processes": [],
            "paused_disk_bytes": []}
     t.before_start()
@@ -773,11 +773,12 @@ def measure_checkpoints(t: SandgateTarget) -> dict:
         t0 = time.perf_counter()
         cp = t.checkpoint(sid).raw
         raw["checkpoint_s"].append(time.perf_counter() - t0)
-        for key in ("state_bytes", "files_bytes", "new_bytes"):
+        for key in ("state_bytes", "files_bytes", "new_bytes", "stored_bytes"):
             raw[key].append(cp.get(key))
         cps.append(cp["id"])
         progress(f"checkpoint {i + 1}/{CHECKPOINT_REPS}: {raw['checkpoint_s'][-1]:.2f} s, "
-                 f"state {mib(cp.get('state_bytes') or 0):.1f} MiB, new {cp.get('new_bytes')} B")
+                 f"state {mib(cp.get('state_bytes') or 0):.1f} MiB, stored {mib(cp.get('stored_bytes') or 0):.2f} MiB "
+                 f"(new workspace data {cp.get('new_bytes')} B)")
     for i in range(CHECKPOINT_REPS):
         t0 = time.perf_counter()
         fork = t.fork(sid, cps[i])
@@ -819,8 +820,13 @@ def summarize_checkpoints(raw: dict) -> dict:
         vals = [v for v in raw.get(key, []) if v is not None]
         return statistics.median(vals) * scale if vals else None
 
+    def first(key, scale=1.0):
+        vals = raw.get(key) or []
+        return vals[0] * scale if vals and vals[0] is not None else None
+
     return {"checkpoint_median_s": med("checkpoint_s"), "state_mib": med("state_bytes", 2**-20),
             "files_bytes": med("files_bytes"), "new_bytes": med("new_bytes"),
+            "stored_mib": med("stored_bytes", 2**-20), "first_stored_mib": first("stored_bytes", 2**-20),
             "fork_to_first_result_median_s": med("fork_s"), "pause_median_s": med("pause_s"),
             "resume_execute_median_s": med("resume_execute_s"), "paused_rss_mib": med("paused_rss", 2**-20),
             "paused_processes": med("paused_processes"), "paused_disk_mib": med("paused_disk_bytes", 2**-20),
@@ -830,7 +836,9 @@ def summarize_checkpoints(raw: dict) -> dict:
 CHECKPOINT_ROWS = [
     ("checkpoint_median_s", "checkpoint after `x = 41`, median (s)", "{:.2f}"),
     ("state_mib", "checkpoint state_bytes, median (MiB)", "{:.1f}"),
-    ("new_bytes", "checkpoint new_bytes, median (B)", "{:.0f}"),
+    ("first_stored_mib", "first checkpoint stored_bytes, state and files (MiB)", "{:.2f}"),
+    ("stored_mib", "checkpoint stored_bytes, median (MiB)", "{:.2f}"),
+    ("new_bytes", "checkpoint new_bytes (workspace files only), median (B)", "{:.0f}"),
     ("fork_to_first_result_median_s", "fork to its first 1+1 result, median (s)", "{:.2f}"),
     ("pause_median_s", "pause, median (s)", "{:.2f}"),
     ("resume_execute_median_s", "1+1 on a paused sandbox (resume round trip), median (s)", "{:.2f}"),
