@@ -57,6 +57,14 @@ class Conn:
         return got
 
 
+async def until_exists(path, timeout=60):
+    """Until a cell has made this file (the kernel's working directory is the workspace)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 def agent(tmp_path):
     sock = str(tmp_path / "agent.sock")
@@ -89,10 +97,7 @@ def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
         await a.link.writer.drain()
         await a.link.close()  # the gateway goes away mid-cell
         (ws / "go").touch()
-        deadline = time.monotonic() + 60
-        while not (ws / "printed").exists():  # printed, with nobody listening
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await until_exists(ws / "printed")  # printed, with nobody listening
         b = await Conn.open(sock)
         got = await b.until_idle(mid)  # buffered while nobody listened
         assert ("iopub", "stream", {"name": "stdout", "text": "late\n"}) in got
@@ -119,10 +124,7 @@ def test_buffer_bound_reports_drops(agent):
             if mid.encode() in p[1]:
                 break
         await a.link.close()
-        deadline = time.monotonic() + 60
-        while not (ws / "done").exists():  # the cell has run, with nobody listening
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        await until_exists(ws / "done")  # the cell has run, with nobody listening
         await asyncio.sleep(0.5)
         b = await Conn.open(sock)
         await asyncio.sleep(1)
