@@ -183,7 +183,7 @@ class GVisorSandbox(ProcessSandbox):
         verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]
         with open(self.log_path, "ab") as stderr:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"), "--",
+                sys.executable, "-I", "-S", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"), "--",
                 *self.driver.runsc_args(), *verb, "--bundle", str(bundle), self.id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
                 start_new_session=True)

@@ -1,0 +1,203 @@
+"""The shim (gateway/drivers/shim.py) that holds a runtime's stdio for the
+gateway, run for real as its own process around a stand-in runtime: a Python
+program that speaks the agent's framing on stdin/stdout (runsc itself runs
+behind the shim in test_drivers.py and test_restart.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+
+SHIM = Path(__file__).resolve().parent.parent / "gateway" / "drivers" / "shim.py"
+PREFIX = struct.Struct(">II")
+
+# The stand-in runtime: echoes each frame back, and obeys a few commands
+# (the frame's header) that the tests use to time what it writes.
+RUNTIME = r'''
+import os, struct, sys, time
+P = struct.Struct(">II")
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+def frame(h, p=b""):
+    return P.pack(len(h), len(p)) + h + p
+def wait_file(path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+while True:
+    pre = inp.read(8)
+    if len(pre) < 8:
+        sys.exit(0)
+    hl, pl = P.unpack(pre)
+    head, body = inp.read(hl), inp.read(pl)
+    if head == b"exit":
+        sys.exit(int(body))
+    elif head == b"kill":
+        os.kill(os.getpid(), 9)
+    elif head == b"later":  # write a frame once a file exists, then say so in another file
+        go, done = body.decode().split("|")
+        wait_file(go)
+        out.write(frame(b"late", b"hello")); out.flush()
+        open(done, "w").close()
+    elif head == b"split":  # half a frame, then (once a file exists) the rest and one more
+        big = frame(b"big", b"x" * 100000)
+        out.write(big[:50000]); out.flush()
+        wait_file(body.decode())
+        out.write(big[50000:] + frame(b"next", b"after")); out.flush()
+    elif head == b"flood":  # many 1 MiB frames, as fast as the pipe takes them
+        for i in range(int(body)):
+            out.write(frame(b"flood", bytes([i % 256]) * (1 << 20)))
+        out.write(frame(b"flooded")); out.flush()
+    else:
+        out.write(frame(head, body)); out.flush()
+'''
+
+
+def frame(head: bytes, payload: bytes = b"") -> bytes:
+    return PREFIX.pack(len(head), len(payload)) + head + payload
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise EOFError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(s: socket.socket):
+    hl, pl = PREFIX.unpack(recv_exact(s, PREFIX.size))
+    return recv_exact(s, hl), recv_exact(s, pl)
+
+
+class Running:
+    def __init__(self, tmp: Path):
+        self.sock, self.status = tmp / "shim.sock", tmp / "status"
+        self.tmp = tmp
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(SHIM), str(self.sock), str(self.status), "--", sys.executable, "-c", RUNTIME],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        wait_for(self.listening, timeout=30)
+
+    def listening(self) -> bool:
+        try:
+            self.connect().close()  # a probe the shim takes as a gateway that came and went
+            return True
+        except OSError:
+            return False
+
+    def connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(str(self.sock))
+        return s
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def shim(tmp_path):
+    r = Running(tmp_path)
+    yield r
+    r.close()
+
+
+def test_frames_pass_both_ways(shim):
+    s = shim.connect()
+    for i in range(3):
+        s.sendall(frame(b"echo%d" % i, b"p" * (i * 70000)))
+    for i in range(3):
+        assert recv_frame(s) == (b"echo%d" % i, b"p" * (i * 70000))
+
+
+def test_a_new_connection_replaces_the_old_one(shim):
+    first = shim.connect()
+    first.sendall(frame(b"a"))
+    assert recv_frame(first) == (b"a", b"")
+    second = shim.connect()
+    assert first.recv(1) == b""  # the shim closed the old gateway's socket
+    second.sendall(frame(b"b"))
+    assert recv_frame(second) == (b"b", b"")
+
+
+def test_half_a_frame_from_a_gateway_that_went_away_never_reaches_the_runtime(shim):
+    first = shim.connect()
+    first.sendall(PREFIX.pack(4, 100) + b"half" + b"y" * 10)  # 86 payload bytes never come
+    first.close()
+    second = shim.connect()
+    second.sendall(frame(b"whole", b"z"))
+    assert recv_frame(second) == (b"whole", b"z")  # had the half frame gone on, this would be its payload
+
+
+def test_a_frame_written_while_no_gateway_is_connected_waits_for_the_next(shim):
+    go, done = shim.tmp / "go", shim.tmp / "done"
+    first = shim.connect()
+    first.sendall(frame(b"later", f"{go}|{done}".encode()))
+    first.close()
+    go.touch()
+    wait_for(done.exists, timeout=30)  # the runtime wrote its frame with no gateway connected
+    second = shim.connect()
+    assert recv_frame(second) == (b"late", b"hello")
+
+
+def test_a_frame_the_gateway_missed_the_start_of_is_skipped(shim):
+    go = shim.tmp / "go"
+    first = shim.connect()
+    first.sendall(frame(b"split", str(go).encode()))
+    assert len(first.recv(1000)) > 0  # the big frame has begun on this connection
+    first.close()
+    second = shim.connect()
+    go.touch()
+    assert recv_frame(second) == (b"next", b"after")  # not the big frame's tail read as a frame
+
+
+def test_a_slow_gateway_holds_the_runtime_back_instead_of_filling_the_shim(shim):
+    s = shim.connect()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    s.sendall(frame(b"flood", b"64"))
+    for i in range(64):
+        head, payload = recv_frame(s)
+        assert head == b"flood" and payload == bytes([i % 256]) * (1 << 20)
+        time.sleep(0.01)  # a throttle on this reader, not a wait: it reads slower than the runtime writes
+    assert recv_frame(s) == (b"flooded", b"")
+    status = Path(f"/proc/{shim.proc.pid}/status").read_text()
+    peak_kib = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
+    assert peak_kib < 40 << 10, f"the shim held {peak_kib} KiB at its peak for 64 MiB relayed"
+
+
+@pytest.mark.parametrize("command, payload, status, rc", [
+    (b"exit", b"3", "3", 3),
+    (b"kill", b"", "-9", 137),
+])
+def test_the_runtime_exit_status_is_written_and_the_shim_ends(shim, command, payload, status, rc):
+    s = shim.connect()
+    s.sendall(frame(command, payload))
+    assert shim.proc.wait(timeout=30) == rc
+    assert shim.status.read_text() == status
+    assert s.recv(1) == b""
+
+
+def test_a_stale_socket_from_an_earlier_run_is_replaced(tmp_path):
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "shim.sock"))
+    stale.close()  # the file stays, as after a crash
+    r = Running(tmp_path)
+    try:
+        s = r.connect()
+        s.sendall(frame(b"ping"))
+        assert recv_frame(s) == (b"ping", b"")
+    finally:
+        r.close()
