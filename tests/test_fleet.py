@@ -164,6 +164,7 @@ def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(
         assert notices and f"checkpoint {cp}" in notices[0]["content"]["text"], notices
         ws.close()
         # Redis restarts (its append-only file kept): heartbeats resume and nothing is lost.
+        server.stop()  # a server started beside a live one would take its socket path while the first ran on
         server.start()
         r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
             c.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x + 1)"})), timeout=30)
