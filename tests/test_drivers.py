@@ -5,6 +5,7 @@ TCG), but none depends on another: the ``sb`` fixture hands each test a live
 sandbox in the state it starts from (``x = 41``, ``data/in.txt``), making a new
 one when a test before it deleted or killed it, so any test runs alone (-k)."""
 
+import re
 import time
 
 import psutil
@@ -248,3 +249,37 @@ def test_delete_leaves_nothing_behind(gw, sb):
     assert not (gw.home / "sandboxes" / sb).exists() and not (gw.home / "workspaces" / sb).exists()
     # The runtime's sockets and handles live outside the home (a unix socket path is short): gone too.
     assert not any(d.exists() for d in handles)
+
+
+def test_reclaim_is_off_under_ptrace_unless_asked_for():
+    from sandgate.drivers.gvisor import reclaim_enabled
+
+    assert not reclaim_enabled("auto", "ptrace")  # the Sentry shares the host's PID namespace there
+    assert reclaim_enabled("auto", "systrap") and reclaim_enabled("auto", "kvm")
+    assert reclaim_enabled("true", "ptrace") and reclaim_enabled(" TRUE ", "ptrace")
+    assert not reclaim_enabled("false", "systrap") and not reclaim_enabled("0", "kvm")
+
+
+def test_a_restored_gvisor_sandbox_hands_its_restore_heap_back_when_asked(home, tmp_path):
+    """SANDGATE_RUNSC_RECLAIM=true: runsc runs with --profile and, once a restore
+    is running, the driver runs the Sentry's GC; the sandbox works on as before.
+    (How much memory it gives back is the density bench's to measure.)"""
+    from conftest import Gateway
+
+    g = Gateway(home, tmp_path, env={"SANDGATE_RUNSC_RECLAIM": "true", "SANDGATE_WARM_START": "true"})
+    try:
+        sid = g.create(driver="gvisor")["id"]
+        assert ex(g, sid, "x = 2").status == "ok"
+        cp = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "two"})
+        assert cp.status == 201, cp.body
+        fork = g.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp.json()["id"]})
+        assert fork.status == 201, fork.body  # a fork is always a restore
+        fid = fork.json()["id"]
+        started = re.search(rf"sandbox {fid} started \(gvisor, runtime (\S+),", g.log_text())
+        assert started, g.log_text()[-3000:]
+        runtime = started.group(1)
+        wait_for(lambda: f"sandbox {runtime}: restore heap reclaimed" in g.log_text(), timeout=120)
+        assert f"sandbox {runtime}: restore heap not reclaimed" not in g.log_text()
+        assert ex(g, fid, "print(x + 2)").stdout == "4\n"
+    finally:
+        g.stop()
