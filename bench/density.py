@@ -2,9 +2,9 @@
 
 N idle gVisor sandboxes (each has run ``1+1``) beside N idle local ipykernels
 (jupyter_client, the baseline), started side by side in the same run. Memory is
-read for all N at once, so pages the sandboxes share (the runsc binary, a
-template image restored into each) are split between them by PSS rather than
-counted N times: total PSS / N is what one more sandbox costs, broken down by
+read for all N at once, once it has settled (two reads 5 s apart within 1%),
+so pages the sandboxes share (the runsc binary, a template image restored into
+each) are split between them by PSS rather than counted N times: total PSS / N is what one more sandbox costs, broken down by
 kind of host process. The drop in the host's MemAvailable is kept in the JSON
 only: any other work on the host moves it. Then every sandbox is paused to disk: what is left is
 host processes (should be none) and the bytes of their images.
@@ -69,6 +69,26 @@ def memory_by_kind(keys: List[str]) -> Dict[str, Dict[str, int]]:
     return out
 
 
+SETTLE_STEP = 5.0  # seconds between two reads while memory settles
+SETTLE_MAX = 60.0
+
+
+def settled(read) -> dict:
+    """read() once it stops falling: an idle kernel's memory, not one caught
+    mid-release (a restored Sentry hands its restore garbage back over ~15 s,
+    drivers/gvisor.py). Settled when a read is within 1% of the one before."""
+    last = read()
+    deadline = time.monotonic() + SETTLE_MAX
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_STEP)  # the interval between reads; the condition is the change between them
+        now = read()
+        if now["pss"] is None or last["pss"] is None or now["pss"] >= last["pss"] * 0.99:
+            return now
+        progress(f"memory still settling: PSS {mib(last['pss']):.1f} -> {mib(now['pss']):.1f} MiB")
+        last = now
+    return last
+
+
 def start_sandboxes(t: SandgateTarget, n: int) -> List[str]:
     sids = []
     for i in range(n):  # one at a time, as the local kernels: the start column compares like with like
@@ -114,7 +134,7 @@ def run(args) -> int:
         kernels = start_local(d, n)
         local_start = time.monotonic() - t0
         time.sleep(IDLE_WAIT)  # idle kernels settle (their allocations after a cell), not a condition to wait on
-        local = tree_memory([need_psutil().Process(k.km.provisioner.pid) for k in kernels])
+        local = settled(lambda: tree_memory([need_psutil().Process(k.km.provisioner.pid) for k in kernels]))
         local_drop = before - mem_available()
         d.teardown()
 
@@ -124,7 +144,7 @@ def run(args) -> int:
         sandgate_start = time.monotonic() - t0
         time.sleep(IDLE_WAIT)
         keys = sids + [t.runtime_id(s) or "" for s in sids]
-        sand = runtime_memory([k for k in keys if k])
+        sand = settled(lambda: runtime_memory([k for k in keys if k]))
         by_kind = memory_by_kind([k for k in keys if k])
         sand_drop = before - mem_available()
 
@@ -136,7 +156,8 @@ def run(args) -> int:
         report = {
             "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "host": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                     "platform": platform.platform(), "runsc": runsc_version()},
+                     "platform": platform.platform(), "runsc": runsc_version(),
+                     "runsc_reclaim": os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto")},
             "n": n,
             "local": {**local, "mem_available_drop": local_drop, "start_all_s": local_start},
             "sandgate": {**sand, "mem_available_drop": sand_drop, "start_all_s": sandgate_start, "by_kind": by_kind},
