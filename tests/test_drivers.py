@@ -5,8 +5,10 @@ TCG), but none depends on another: the ``sb`` fixture hands each test a live
 sandbox in the state it starts from (``x = 41``, ``data/in.txt``), making a new
 one when a test before it deleted or killed it, so any test runs alone (-k)."""
 
+import os
 import re
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -251,13 +253,13 @@ def test_delete_leaves_nothing_behind(gw, sb):
     assert not any(d.exists() for d in handles)
 
 
-def test_reclaim_is_off_under_ptrace_unless_asked_for():
+def test_reclaim_is_off_for_a_rootless_runsc_unless_asked_for():
     from sandgate.drivers.gvisor import reclaim_enabled
 
-    assert not reclaim_enabled("auto", "ptrace")  # the Sentry shares the host's PID namespace there
-    assert reclaim_enabled("auto", "systrap") and reclaim_enabled("auto", "kvm")
-    assert reclaim_enabled("true", "ptrace") and reclaim_enabled(" TRUE ", "ptrace")
-    assert not reclaim_enabled("false", "systrap") and not reclaim_enabled("0", "kvm")
+    assert reclaim_enabled("auto", rootless=False)
+    assert not reclaim_enabled("auto", rootless=True)  # the Sentry keeps /proc mounted there
+    assert reclaim_enabled("true", rootless=True) and reclaim_enabled(" TRUE ", rootless=True)
+    assert not reclaim_enabled("false", rootless=False) and not reclaim_enabled("0", rootless=False)
 
 
 def test_a_restored_gvisor_sandbox_hands_its_restore_heap_back_when_asked(home, tmp_path):
@@ -281,5 +283,21 @@ def test_a_restored_gvisor_sandbox_hands_its_restore_heap_back_when_asked(home, 
         wait_for(lambda: f"sandbox {runtime}: restore heap reclaimed" in g.log_text(), timeout=120)
         assert f"sandbox {runtime}: restore heap not reclaimed" not in g.log_text()
         assert ex(g, fid, "print(x + 2)").stdout == "4\n"
+        if os.geteuid() == 0:
+            sentry_has_nothing_to_open(fid)
     finally:
         g.stop()
+
+
+def sentry_has_nothing_to_open(sid):
+    """What makes `--profile` safe as root: the one rule it adds to the Sentry's
+    seccomp filter is a read-only openat, and the Sentry has nothing to open:
+    it runs as nobody in a read-only tmpfs root with no /proc."""
+    sentries = [p for p in host_processes(sid) if p.cmdline()[:1] == ["runsc-sandbox"]]
+    assert sentries, [p.cmdline()[:2] for p in host_processes(sid)]
+    for p in sentries:
+        status = Path(f"/proc/{p.pid}/status").read_text()
+        assert re.search(r"^Uid:\s+65534\s", status, re.M), status
+        assert re.search(r"^Seccomp:\s+2$", status, re.M), status
+        mounts = Path(f"/proc/{p.pid}/mountinfo").read_text().splitlines()
+        assert [m.split()[4] for m in mounts] == ["/"] and " - tmpfs " in mounts[0] and " ro," in mounts[0], mounts

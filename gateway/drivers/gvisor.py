@@ -24,8 +24,8 @@ With `SANDGATE_RUNSC_RECLAIM` on, the driver asks for it back at once: runsc
 runs with `--profile`, and right after a restore the driver requests a heap
 profile (to /dev/null) a few times, each of which runs runtime.GC() in the
 Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
-read-only), which is why `auto`, the default, leaves it off under ptrace
-(reclaim_enabled).
+read-only), which is why `auto`, the default, leaves it off when runsc runs
+rootless (reclaim_enabled).
 """
 
 from __future__ import annotations
@@ -242,14 +242,16 @@ class GVisorSandbox(ProcessSandbox):
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-def reclaim_enabled(setting: str, platform: str) -> bool:
-    """`auto` is on only where the Sentry has a PID namespace of its own: under
-    ptrace it shares the host's, its chroot's /proc is the host's, and the
-    read-only openat that `--profile` allows would let a compromised Sentry
-    read other host processes' memory and environment (the gateway's secrets)."""
+def reclaim_enabled(setting: str, rootless: bool) -> bool:
+    """`auto` is on unless runsc runs rootless. As root (with --network=none)
+    the Sentry runs as nobody in an empty read-only tmpfs root whose /proc
+    runsc unmounts before installing the Sentry's seccomp filter, so the
+    read-only openat that `--profile` adds to that filter reaches nothing.
+    Rootless, /proc stays mounted (under ptrace it is the host's), and that
+    openat would let a compromised Sentry read the user's other processes."""
     setting = setting.strip().lower()
     if setting == "auto":
-        return platform != "ptrace"
+        return not rootless
     return setting not in ("0", "false", "no", "off")
 
 
@@ -263,7 +265,7 @@ class GVisorDriver(Driver):
         self.root_dir = root_dir
         self.home = Path(root_dir).parents[1]
         self.platform = platform or os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace")
-        self.reclaim = reclaim_enabled(os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto"), self.platform)
+        self.reclaim = reclaim_enabled(os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto"), os.geteuid() != 0)
         os.makedirs(root_dir, exist_ok=True)
 
     @classmethod
