@@ -82,7 +82,7 @@ def settled(read) -> dict:
     while time.monotonic() < deadline:
         time.sleep(SETTLE_STEP)  # the interval between reads; the condition is the change between them
         now = read()
-        if now["pss"] is None or last["pss"] is None or now["pss"] >= last["pss"] * 0.99:
+        if now["pss"] is None or last["pss"] is None or abs(now["pss"] - last["pss"]) <= last["pss"] * 0.01:
             return now
         progress(f"memory still settling: PSS {mib(last['pss']):.1f} -> {mib(now['pss']):.1f} MiB")
         last = now

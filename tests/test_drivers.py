@@ -7,6 +7,7 @@ one when a test before it deleted or killed it, so any test runs alone (-k)."""
 
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -256,10 +257,14 @@ def test_delete_leaves_nothing_behind(gw, sb):
 def test_reclaim_is_off_for_a_rootless_runsc_unless_asked_for():
     from sandgate.drivers.gvisor import reclaim_enabled
 
-    assert reclaim_enabled("auto", rootless=False)
-    assert not reclaim_enabled("auto", rootless=True)  # the Sentry keeps /proc mounted there
-    assert reclaim_enabled("true", rootless=True) and reclaim_enabled(" TRUE ", rootless=True)
-    assert not reclaim_enabled("false", rootless=False) and not reclaim_enabled("0", rootless=False)
+    debian12, debian13 = 20221219, 20240729
+    assert reclaim_enabled("auto", rootless=False, runsc_date=debian12)
+    assert not reclaim_enabled("auto", rootless=True, runsc_date=debian12)  # the Sentry keeps /proc mounted there
+    assert not reclaim_enabled("auto", rootless=False, runsc_date=debian13)  # directfs: not verified
+    assert not reclaim_enabled("auto", rootless=False, runsc_date=0)  # a runsc of unknown date
+    assert reclaim_enabled("true", rootless=True, runsc_date=debian13) and reclaim_enabled(" ON ", True, 0)
+    assert not reclaim_enabled("false", rootless=False, runsc_date=debian12)
+    assert reclaim_enabled("", False, debian12) and not reclaim_enabled("tru", False, debian13)  # else: auto
 
 
 def test_a_restored_gvisor_sandbox_hands_its_restore_heap_back_when_asked(home, tmp_path):
@@ -283,6 +288,9 @@ def test_a_restored_gvisor_sandbox_hands_its_restore_heap_back_when_asked(home, 
         wait_for(lambda: f"sandbox {runtime}: restore heap reclaimed" in g.log_text(), timeout=120)
         assert f"sandbox {runtime}: restore heap not reclaimed" not in g.log_text()
         assert ex(g, fid, "print(x + 2)").stdout == "4\n"
+        # runsc debug removes the file it was given when the RPC fails: it must never be a shared one.
+        assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+        assert not (socket_dir(g.home, runtime, "g") / "heap.prof").exists()
         if os.geteuid() == 0:
             sentry_has_nothing_to_open(fid)
     finally:
@@ -301,3 +309,6 @@ def sentry_has_nothing_to_open(sid):
         assert re.search(r"^Seccomp:\s+2$", status, re.M), status
         mounts = Path(f"/proc/{p.pid}/mountinfo").read_text().splitlines()
         assert [m.split()[4] for m in mounts] == ["/"] and " - tmpfs " in mounts[0] and " ro," in mounts[0], mounts
+        held = [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.pid}/fd")]
+        dirs = [h for h in held if h.startswith("/") and os.path.isdir(h)]
+        assert dirs == [], held  # no host directory for an openat to start from

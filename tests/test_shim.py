@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import wait_for
@@ -52,9 +53,12 @@ while True:
         out.write(big[:50000]); out.flush()
         wait_file(body.decode())
         out.write(big[50000:] + frame(b"next", b"after")); out.flush()
-    elif head == b"flood":  # many 1 MiB frames, as fast as the pipe takes them
-        for i in range(int(body)):
-            out.write(frame(b"flood", bytes([i % 256]) * (1 << 20)))
+    elif head == b"flood":  # many 1 MiB frames, as fast as the pipe takes them, counted in a file
+        n, progress = body.decode().split("|")
+        for i in range(int(n)):
+            out.write(frame(b"flood", bytes([i % 256]) * (1 << 20))); out.flush()
+            with open(progress, "w") as f:
+                f.write(str(i + 1))
         out.write(frame(b"flooded")); out.flush()
     else:
         out.write(frame(head, body)); out.flush()
@@ -164,18 +168,55 @@ def test_a_frame_the_gateway_missed_the_start_of_is_skipped(shim):
     assert recv_frame(second) == (b"next", b"after")  # not the big frame's tail read as a frame
 
 
-def test_a_slow_gateway_holds_the_runtime_back_instead_of_filling_the_shim(shim):
+def blocked_writing_stdout(pid: int) -> bool:
+    """The process sits in write(1, ...) (/proc/PID/syscall: number, then arguments)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return fields[:2] == ["1", "0x1"]
+
+
+def test_a_gateway_that_does_not_read_holds_the_runtime_back_instead_of_filling_the_shim(shim):
+    progress = shim.tmp / "progress"
     s = shim.connect()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-    s.sendall(frame(b"flood", b"64"))
-    for i in range(64):
+    s.sendall(frame(b"flood", f"64|{progress}".encode()))
+    runtime = psutil.Process(shim.proc.pid).children()[0].pid
+    count = lambda: int(progress.read_text() or 0) if progress.exists() else 0  # noqa: E731
+
+    def stalled():  # in write(1) with the count unchanged across two looks: not just mid-write
+        before = count()
+        if not blocked_writing_stdout(runtime):
+            return False
+        time.sleep(0.2)  # the gap between the two looks; the condition is what they see
+        return blocked_writing_stdout(runtime) and count() == before
+
+    wait_for(stalled, timeout=60)
+    # Without backpressure the shim would have taken all 64 MiB and the runtime be done writing.
+    assert count() < 24, count()
+    status = Path(f"/proc/{shim.proc.pid}/status").read_text()
+    rss_kib = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    assert rss_kib < 40 << 10, f"the shim holds {rss_kib} KiB"
+    for i in range(64):  # and nothing is lost once the gateway reads
         head, payload = recv_frame(s)
         assert head == b"flood" and payload == bytes([i % 256]) * (1 << 20)
-        time.sleep(0.01)  # a throttle on this reader, not a wait: it reads slower than the runtime writes
     assert recv_frame(s) == (b"flooded", b"")
-    status = Path(f"/proc/{shim.proc.pid}/status").read_text()
-    peak_kib = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
-    assert peak_kib < 40 << 10, f"the shim held {peak_kib} KiB at its peak for 64 MiB relayed"
+
+
+def test_an_oversized_frame_from_a_gateway_drops_that_gateway(shim):
+    first = shim.connect()
+    first.sendall(PREFIX.pack(0, 300 << 20))  # over the agent's 256 MiB limit
+    assert first.recv(1) == b""
+    second = shim.connect()
+    second.sendall(frame(b"after"))
+    assert recv_frame(second) == (b"after", b"")
+
+
+def test_what_the_runtime_wrote_before_it_exited_still_reaches_the_gateway(shim):
+    s = shim.connect()
+    s.sendall(frame(b"last words") + frame(b"exit", b"0"))
+    assert recv_frame(s) == (b"last words", b"")
+    assert shim.proc.wait(timeout=30) == 0
 
 
 @pytest.mark.parametrize("command, payload, status, rc", [

@@ -22,7 +22,7 @@ Go's periodic GC (every 2 minutes, twice: finalizers keep part of it alive
 through the first) and its scavenger hand it back, about 4-5 minutes later.
 With `SANDGATE_RUNSC_RECLAIM` on, the driver asks for it back at once: runsc
 runs with `--profile`, and right after a restore the driver requests a heap
-profile (to /dev/null) a few times, each of which runs runtime.GC() in the
+profile (to a file it then removes) a few times, each of which runs runtime.GC() in the
 Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
 read-only), which is why `auto`, the default, leaves it off when runsc runs
 rootless (reclaim_enabled).
@@ -75,6 +75,8 @@ def runsc_path() -> Optional[str]:
     return os.environ.get("SANDGATE_RUNSC") or shutil.which("runsc")
 
 
+DIRECTFS_SINCE = 20230101  # no runsc of 2023 or later is verified for the reclaim (reclaim_enabled)
+RECLAIM_TIMEOUT = 30  # seconds one runsc call of the reclaim may take (a frozen sandbox does not answer)
 RECLAIM_WAIT = 120  # seconds a restore may take before the reclaim gives up
 RECLAIM_GCS = 3  # measured: one GC frees little (finalizers), three in a row free it all
 IN_PLACE_SINCE = 20240729  # the oldest runsc seen to checkpoint in place (see checkpoints_in_place)
@@ -228,6 +230,8 @@ class GVisorSandbox(ProcessSandbox):
         return what + (": " + " | ".join(tail) if tail else "")
 
     async def destroy(self) -> None:
+        if self.reclaiming:
+            self.reclaiming.cancel()
         if self.writer:
             self.writer.close()
         if self.proc and self.proc.returncode is None:
@@ -242,17 +246,21 @@ class GVisorSandbox(ProcessSandbox):
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-def reclaim_enabled(setting: str, rootless: bool) -> bool:
-    """`auto` is on unless runsc runs rootless. As root (with --network=none)
-    the Sentry runs as nobody in an empty read-only tmpfs root whose /proc
-    runsc unmounts before installing the Sentry's seccomp filter, so the
-    read-only openat that `--profile` adds to that filter reaches nothing.
-    Rootless, /proc stays mounted (under ptrace it is the host's), and that
-    openat would let a compromised Sentry read the user's other processes."""
+def reclaim_enabled(setting: str, rootless: bool, runsc_date: int) -> bool:
+    """`auto` is on as root with a runsc older than directfs. As root (with
+    --network=none) the Sentry runs as nobody in an empty read-only tmpfs root
+    whose /proc runsc unmounts before installing the Sentry's seccomp filter,
+    and (before directfs) it holds no host directory, so the read-only openat
+    that `--profile` adds to that filter reaches nothing (tests/test_drivers.py
+    checks all three). Rootless, /proc stays mounted (under ptrace it is the
+    host's); a directfs runsc hands the Sentry directories of the host: not
+    verified there, so off unless set. Anything but a yes or a no is `auto`."""
     setting = setting.strip().lower()
-    if setting == "auto":
-        return not rootless
-    return setting not in ("0", "false", "no", "off")
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    return not rootless and 0 < runsc_date < DIRECTFS_SINCE
 
 
 class GVisorDriver(Driver):
@@ -265,7 +273,6 @@ class GVisorDriver(Driver):
         self.root_dir = root_dir
         self.home = Path(root_dir).parents[1]
         self.platform = platform or os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace")
-        self.reclaim = reclaim_enabled(os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto"), os.geteuid() != 0)
         os.makedirs(root_dir, exist_ok=True)
 
     @classmethod
@@ -293,8 +300,9 @@ class GVisorDriver(Driver):
         try:
             # The shim listens before runsc starts: wait until runsc reports the restore done.
             deadline = time.monotonic() + RECLAIM_WAIT
+            interval = 0.25
             while True:
-                code, out = await self.runsc("state", sid)
+                code, out = await self._runsc_within(RECLAIM_TIMEOUT, "state", sid)
                 if code == 0 and re.search(r'"status":\s*"running"', out):
                     break
                 if not sandbox.running:
@@ -302,20 +310,34 @@ class GVisorDriver(Driver):
                 if time.monotonic() > deadline:
                     log.info("sandbox %s: restore heap not reclaimed: not running after %d s", sid, RECLAIM_WAIT)
                     return
-                await asyncio.sleep(0.25)  # the poll interval; the condition is runsc's status
+                await asyncio.sleep(interval)  # the poll interval; the condition is runsc's status
+                interval = min(interval * 2, 4.0)
+            # Not /dev/null: when the RPC fails, `runsc debug` removes the file it was given.
+            profile = sandbox.sockets / "heap.prof"
             for _ in range(RECLAIM_GCS):
-                code, out = await self.runsc("debug", "--delay=0s", "--profile-heap=/dev/null", sid)
+                code, out = await self._runsc_within(RECLAIM_TIMEOUT, "debug", "--delay=0s", f"--profile-heap={profile}", sid)
+                profile.unlink(missing_ok=True)
                 if code != 0:  # the sandbox may already be gone; it only costs memory for a while
                     log.info("sandbox %s: restore heap not reclaimed: %s", sid, runsc_error(out))
                     return
             log.info("sandbox %s: restore heap reclaimed (runtime.GC x%d)", sid, RECLAIM_GCS)
-        except OSError as e:  # runsc could not be started: memory only, not the sandbox's health
-            log.info("sandbox %s: restore heap not reclaimed: %s", sid, e)
+        except (OSError, asyncio.TimeoutError) as e:  # memory only, not the sandbox's health
+            log.info("sandbox %s: restore heap not reclaimed: %s", sid, e or "runsc did not answer in time")
 
     async def runsc(self, *args: str) -> Tuple[int, str]:
+        return await self._runsc_within(None, *args)
+
+    async def _runsc_within(self, timeout: Optional[float], *args: str) -> Tuple[int, str]:
+        """runsc with args; with a timeout, a runsc that outlasts it is killed (status -9)."""
         p = await asyncio.create_subprocess_exec(*self.runsc_args(), *args, stdin=asyncio.subprocess.DEVNULL,
                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        out, _ = await p.communicate()
+        try:
+            out, _ = await asyncio.wait_for(p.communicate(), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+            raise
         return p.returncode, out.decode(errors="replace")
 
     async def create(self, spec: SandboxSpec, restore_from: Optional[Path] = None) -> Sandbox:
@@ -374,6 +396,10 @@ class GVisorDriver(Driver):
         """The release date in `runsc --version` (0.0~20221219.0, release-20240729.0), 0 if none."""
         m = re.search(r"(20\d{6})", _run_quietly([runsc_path() or "runsc", "--version"]))
         return int(m.group(1)) if m else 0
+
+    @functools.cached_property
+    def reclaim(self) -> bool:
+        return reclaim_enabled(os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto"), os.geteuid() != 0, self.runsc_date)
 
     @property
     def checkpoints_in_place(self) -> bool:

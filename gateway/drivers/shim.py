@@ -27,6 +27,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 PREFIX = struct.Struct(">II")
 MAX_FRAME = (1 << 20) + (256 << 20) + PREFIX.size  # protocol.MAX_HEADER + MAX_PAYLOAD
@@ -83,7 +84,7 @@ class Shim:
     def run(self) -> int:
         while self.code is None:
             self.update()
-            for key, _ in self.sel.select():
+            for key, ready in self.sel.select():
                 obj = key.fileobj
                 if obj is self.listener:
                     self.accept()
@@ -94,13 +95,36 @@ class Shim:
                 elif obj == self.stdin:
                     self.write_agent()
                 elif obj is self.client:
-                    self.serve_client(key.events)
+                    self.serve_client(ready)
+        self.flush()
         return self.code
+
+    def flush(self) -> None:
+        """The runtime has exited: what it wrote before that still goes to the
+        gateway (a second at most, so a stalled gateway cannot hold the exit)."""
+        while not self.agent_eof:
+            try:
+                data = os.read(self.stdout, CHUNK)
+            except OSError:  # BlockingIOError: a process it left behind holds the pipe open
+                break
+            if not data:
+                break
+            self.from_agent += data
+            self.relay_agent()
+        if self.client is not None and self.to_client:
+            try:
+                self.client.settimeout(1.0)
+                self.client.sendall(self.to_client)
+            except OSError:
+                pass
 
     def accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors, say: that gateway tries again; the sandbox runs on
+            time.sleep(0.1)  # the listener stays readable: not a busy loop meanwhile
             return
         conn.setblocking(False)
         self.drop_client()
@@ -210,7 +234,8 @@ def spawn(argv: list):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
-        (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1)])
+        (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1)],
+        setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))  # Python ignores these; the runtime gets the defaults
     os.close(in_r)
     os.close(out_w)
     return pid, in_w, out_r  # os.pipe()'s fds are close-on-exec: the runtime has only its dup2'd ends
