@@ -4,8 +4,8 @@ N idle gVisor sandboxes (each has run ``1+1``) beside N idle local ipykernels
 (jupyter_client, the baseline), started side by side in the same run. Memory is
 read for all N at once, once it has settled (two reads 5 s apart within 1%),
 so pages the sandboxes share (the runsc binary, a template image restored into
-each) are split between them by PSS rather than counted N times: total PSS / N is what one more sandbox costs, broken down by
-kind of host process. The drop in the host's MemAvailable is kept in the JSON
+each) are split between them by PSS rather than counted N times: total PSS / N
+is what one more sandbox costs, broken down by kind of host process. The drop in the host's MemAvailable is kept in the JSON
 only: any other work on the host moves it. Then every sandbox is paused to disk: what is left is
 host processes (should be none) and the bytes of their images.
 

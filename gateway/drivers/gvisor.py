@@ -302,7 +302,7 @@ class GVisorDriver(Driver):
             deadline = time.monotonic() + RECLAIM_WAIT
             interval = 0.25
             while True:
-                code, out = await self._runsc_within(RECLAIM_TIMEOUT, "state", sid)
+                code, out = await self.runsc("state", sid, timeout=RECLAIM_TIMEOUT)
                 if code == 0 and re.search(r'"status":\s*"running"', out):
                     break
                 if not sandbox.running:
@@ -315,20 +315,18 @@ class GVisorDriver(Driver):
             # Not /dev/null: when the RPC fails, `runsc debug` removes the file it was given.
             profile = sandbox.sockets / "heap.prof"
             for _ in range(RECLAIM_GCS):
-                code, out = await self._runsc_within(RECLAIM_TIMEOUT, "debug", "--delay=0s", f"--profile-heap={profile}", sid)
+                code, out = await self.runsc("debug", "--delay=0s", f"--profile-heap={profile}", sid,
+                                             timeout=RECLAIM_TIMEOUT)
                 profile.unlink(missing_ok=True)
                 if code != 0:  # the sandbox may already be gone; it only costs memory for a while
                     log.info("sandbox %s: restore heap not reclaimed: %s", sid, runsc_error(out))
                     return
             log.info("sandbox %s: restore heap reclaimed (runtime.GC x%d)", sid, RECLAIM_GCS)
         except (OSError, asyncio.TimeoutError) as e:  # memory only, not the sandbox's health
-            log.info("sandbox %s: restore heap not reclaimed: %s", sid, e or "runsc did not answer in time")
+            log.info("sandbox %s: restore heap not reclaimed: %s", sid, str(e) or "runsc did not answer in time")
 
-    async def runsc(self, *args: str) -> Tuple[int, str]:
-        return await self._runsc_within(None, *args)
-
-    async def _runsc_within(self, timeout: Optional[float], *args: str) -> Tuple[int, str]:
-        """runsc with args; with a timeout, a runsc that outlasts it is killed (status -9)."""
+    async def runsc(self, *args: str, timeout: Optional[float] = None) -> Tuple[int, str]:
+        """runsc with args; with a timeout, a runsc that outlasts it is killed."""
         p = await asyncio.create_subprocess_exec(*self.runsc_args(), *args, stdin=asyncio.subprocess.DEVNULL,
                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
