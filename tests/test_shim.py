@@ -84,13 +84,38 @@ def recv_frame(s: socket.socket):
     return recv_exact(s, hl), recv_exact(s, pl)
 
 
+# A launcher as `runsc run --detach --pid-file F` is: it starts the runtime
+# (RUNTIME) in a child that keeps its stdio, writes the child's pid to F and
+# exits 0 before the child does. argv[2] changes what it does instead.
+LAUNCHER = r'''
+import os, sys
+pidfile, how = sys.argv[1], sys.argv[2]
+if how == "fail":
+    sys.exit(3)
+if how == "no-pidfile":
+    sys.exit(0)
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[3]])
+with open(pidfile, "w") as f:
+    f.write(str(pid))
+'''
+
+
+def shim_argv(tmp: Path, detached: str = "") -> list:
+    runtime, options = [sys.executable, "-c", RUNTIME], []
+    if detached:
+        runtime = [sys.executable, "-c", LAUNCHER, str(tmp / "sandbox.pid"), detached, RUNTIME]
+        options = ["--detached", str(tmp / "sandbox.pid")]
+    return [sys.executable, "-I", "-S", str(SHIM), str(tmp / "shim.sock"), str(tmp / "status"), *options, "--", *runtime]
+
+
 class Running:
-    def __init__(self, tmp: Path):
-        self.sock, self.status = tmp / "shim.sock", tmp / "status"
+    def __init__(self, tmp: Path, detached: str = ""):
+        self.sock, self.status, self.pidfile = tmp / "shim.sock", tmp / "status", tmp / "sandbox.pid"
         self.tmp = tmp
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(SHIM), str(self.sock), str(self.status), "--", sys.executable, "-c", RUNTIME],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(shim_argv(tmp, detached), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     start_new_session=True)
         wait_for(self.listening, timeout=30)
 
     def listening(self) -> bool:
@@ -242,3 +267,49 @@ def test_a_stale_socket_from_an_earlier_run_is_replaced(tmp_path):
         assert recv_frame(s) == (b"ping", b"")
     finally:
         r.close()
+
+
+@pytest.fixture
+def detached(tmp_path):
+    r = Running(tmp_path, detached="start")
+    yield r
+    r.close()
+
+
+def test_a_detached_runtime_is_waited_on_by_the_shim_once_its_launcher_exits(detached):
+    s = detached.connect()
+    s.sendall(frame(b"ping"))
+    assert recv_frame(s) == (b"ping", b"")
+    sandbox = int(detached.pidfile.read_text())
+    shim = psutil.Process(detached.proc.pid)
+    # The launcher is gone (nothing left waiting on the sandbox): the sandbox is the shim's child now.
+    wait_for(lambda: [c.pid for c in shim.children()] == [sandbox], timeout=30)
+    s.sendall(frame(b"still there"))
+    assert recv_frame(s) == (b"still there", b"")
+    s.sendall(frame(b"exit", b"4"))
+    assert detached.proc.wait(timeout=30) == 4  # the sandbox's status, not the launcher's 0
+    assert detached.status.read_text() == "4"
+    assert s.recv(1) == b""
+
+
+def test_a_detached_runtime_killed_is_reported_as_killed(detached):
+    s = detached.connect()
+    s.sendall(frame(b"kill"))
+    assert detached.proc.wait(timeout=30) == 137
+    assert detached.status.read_text() == "-9"
+
+
+@pytest.mark.parametrize("how, rc", [("fail", 3), ("no-pidfile", 125)])
+def test_a_launcher_that_fails_or_names_no_sandbox_ends_the_shim(tmp_path, how, rc):
+    (tmp_path / "sandbox.pid").write_text("1")  # stale, from an earlier run: not this run's sandbox
+    proc = subprocess.Popen(shim_argv(tmp_path, how), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.wait(timeout=30) == rc
+        assert (tmp_path / "status").read_text() == str(rc)
+        if how == "no-pidfile":
+            assert b"without a sandbox" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

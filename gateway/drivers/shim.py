@@ -16,6 +16,14 @@ and a frame that starts while no gateway is connected waits for the next one.
 When the runtime exits, its exit status (negative for a signal, as in
 subprocess) goes to the file STATUS and the shim exits.
 
+    python shim.py SOCKET STATUS --detached PIDFILE -- runsc ... run --detach --pid-file PIDFILE ...
+
+With --detached the runtime is a launcher that starts the sandbox, writes its
+pid to PIDFILE and exits 0 (runsc --detach: no Go process per sandbox left
+waiting on it, ~5 MiB each). The shim is the subreaper of what the launcher
+started, so the sandbox becomes its child: its exit ends the shim, with its
+status, as the launcher's would have.
+
 Standard library only and run by path, not imported with the package: it
 lives as long as its sandbox, one per sandbox, so it is one thread on
 `selectors` with no asyncio or subprocess imported (4 MiB PSS, not 12).
@@ -36,9 +44,12 @@ HIGH_WATER = 4 * CHUNK  # bytes queued toward one side before the other side is 
 
 
 class Shim:
-    def __init__(self, listener: socket.socket, pid: int, stdin: int, stdout: int, wakeup: int):
+    def __init__(self, listener: socket.socket, pid: int, stdin: int, stdout: int, wakeup: int,
+                 pidfile: str = ""):
         self.sel = selectors.DefaultSelector()
         self.listener, self.pid, self.stdin, self.stdout, self.wakeup = listener, pid, stdin, stdout, wakeup
+        self.pidfile = pidfile  # until the launcher has exited (--detached): where it names the sandbox
+        self.exited = {}  # pid -> exit status of children reaped but not (yet) the runtime
         self.client = None  # the connected gateway's socket
         self.from_client = bytearray()  # what the gateway sent, not yet a whole frame
         self.to_agent = bytearray()  # whole frames for the agent's stdin
@@ -224,9 +235,41 @@ class Shim:
                 pass
         except (BlockingIOError, InterruptedError):
             pass
-        pid, status = os.waitpid(self.pid, os.WNOHANG)
-        if pid:
-            self.code = os.waitstatus_to_exitcode(status)
+        while True:  # every child: with --detached, the sandbox's gofer and helpers are ours too
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if not pid:
+                break
+            self.exited[pid] = os.waitstatus_to_exitcode(status)
+        self.settle()
+
+    def settle(self) -> None:
+        """The runtime's exit, if it has exited: a launcher that detached hands
+        the role on to the sandbox it started, which may have exited already."""
+        code = self.exited.pop(self.pid, None)
+        if code is None:
+            return
+        if not self.pidfile or code != 0:
+            self.code = code
+            return
+        pidfile, self.pidfile = self.pidfile, ""
+        try:
+            with open(pidfile) as f:
+                self.pid = int(f.read())
+            if self.pid not in self.exited:  # ChildProcessError: not ours, so its exit would never be seen
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # (WNOWAIT: not reaped here)
+        except (OSError, ValueError) as e:
+            try:
+                with open(f"/proc/{self.pid}/stat") as f:
+                    e = f"{e}; /proc/{self.pid}/stat: {f.read()[:200]}"
+            except OSError:
+                pass
+            sys.stderr.write(f"shim: the launcher exited without a sandbox this shim can wait for: {e} {self.exited}\n")
+            self.code = 125
+            return
+        self.settle()
 
 
 def spawn(argv: list):
@@ -241,7 +284,19 @@ def spawn(argv: list):
     return pid, in_w, out_r  # os.pipe()'s fds are close-on-exec: the runtime has only its dup2'd ends
 
 
-def main(sock: str, status: str, argv: list) -> int:
+def become_subreaper() -> None:
+    """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
+    import ctypes  # only here: the plain shim does without its memory
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def main(sock: str, status: str, argv: list, pidfile: str = "") -> int:
+    if pidfile:
+        become_subreaper()
+        if os.path.exists(pidfile):
+            os.unlink(pidfile)  # from an earlier run of this sandbox id: not this sandbox's pid
     # SIGCHLD wakes the loop through this pipe; the handler is set before the
     # child exists, so an early exit is not missed.
     wake_r, wake_w = os.pipe()
@@ -258,7 +313,7 @@ def main(sock: str, status: str, argv: list) -> int:
         os.umask(old)
     listener.listen(4)
     pid, stdin, stdout = spawn(argv)  # only once the socket is there: a shim that fails leaves no runtime behind
-    code = Shim(listener, pid, stdin, stdout, wake_r).run()
+    code = Shim(listener, pid, stdin, stdout, wake_r, pidfile).run()
     listener.close()
     tmp = status + ".tmp"
     with open(tmp, "w") as f:
@@ -269,5 +324,7 @@ def main(sock: str, status: str, argv: list) -> int:
 
 if __name__ == "__main__":
     sep = sys.argv.index("--")
-    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:])
+    options = sys.argv[3:sep]
+    detached = options[options.index("--detached") + 1] if "--detached" in options else ""
+    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached)
     sys.exit(rc if rc >= 0 else 128 - rc)
