@@ -94,6 +94,10 @@ if how == "fail":
     sys.exit(3)
 if how == "no-pidfile":
     sys.exit(0)
+if how.startswith("stranger:"):  # names a process that is not its child
+    with open(pidfile, "w") as f:
+        f.write(how.split(":")[1])
+    sys.exit(0)
 pid = os.fork()
 if pid == 0:
     os.execv(sys.executable, [sys.executable, "-c", sys.argv[3]])
@@ -308,8 +312,27 @@ def test_a_launcher_that_fails_or_names_no_sandbox_ends_the_shim(tmp_path, how, 
         assert proc.wait(timeout=30) == rc
         assert (tmp_path / "status").read_text() == str(rc)
         if how == "no-pidfile":
-            assert b"without a sandbox" in proc.stderr.read()
+            assert b"without naming its sandbox" in proc.stderr.read()
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_sandbox_that_is_not_the_shims_child_is_watched_until_it_exits(tmp_path):
+    stranger = subprocess.Popen(["sleep", "60"])
+    proc = subprocess.Popen(shim_argv(tmp_path, f"stranger:{stranger.pid}"), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(lambda: any(os.readlink(f"/proc/{proc.pid}/fd/{fd}") == "anon_inode:[pidfd]"
+                             for fd in os.listdir(f"/proc/{proc.pid}/fd")), timeout=30)  # it holds a pidfd
+        assert proc.poll() is None  # it runs on while the sandbox does
+        stranger.kill()
+        stranger.wait()
+        assert proc.wait(timeout=30) == 255  # its exit status is unknown
+        assert b"not this shim's child" in proc.stderr.read()
+    finally:
+        stranger.kill()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -50,6 +50,7 @@ class Shim:
         self.listener, self.pid, self.stdin, self.stdout, self.wakeup = listener, pid, stdin, stdout, wakeup
         self.pidfile = pidfile  # until the launcher has exited (--detached): where it names the sandbox
         self.exited = {}  # pid -> exit status of children reaped but not (yet) the runtime
+        self.pidfd = None  # the sandbox's, only if it is not our child (watch_stranger)
         self.client = None  # the connected gateway's socket
         self.from_client = bytearray()  # what the gateway sent, not yet a whole frame
         self.to_agent = bytearray()  # whole frames for the agent's stdin
@@ -101,6 +102,8 @@ class Shim:
                     self.accept()
                 elif obj == self.wakeup:
                     self.reap()
+                elif obj == self.pidfd:
+                    self.code = 255
                 elif obj == self.stdout:
                     self.read_agent()
                 elif obj == self.stdin:
@@ -258,18 +261,32 @@ class Shim:
         try:
             with open(pidfile) as f:
                 self.pid = int(f.read())
-            if self.pid not in self.exited:  # ChildProcessError: not ours, so its exit would never be seen
-                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # (WNOWAIT: not reaped here)
         except (OSError, ValueError) as e:
-            try:
-                with open(f"/proc/{self.pid}/stat") as f:
-                    e = f"{e}; /proc/{self.pid}/stat: {f.read()[:200]}"
-            except OSError:
-                pass
-            sys.stderr.write(f"shim: the launcher exited without a sandbox this shim can wait for: {e} {self.exited}\n")
+            sys.stderr.write(f"shim: the launcher exited without naming its sandbox: {e}\n")
             self.code = 125
             return
-        self.settle()
+        if self.pid in self.exited:
+            return self.settle()
+        try:  # (WNOWAIT: not reaped here, reap() does that)
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            self.watch_stranger()
+
+    def watch_stranger(self) -> None:
+        """The sandbox is not this shim's child (not seen, but its exit would
+        otherwise never reach us): watch it through a pidfd instead; its exit
+        status is then unknown (255)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                stat = f.read(200)
+            self.pidfd = os.pidfd_open(self.pid)
+        except OSError as e:
+            sys.stderr.write(f"shim: the sandbox {self.pid} is gone and was not this shim's child: {e}\n")
+            self.code = 125
+            return
+        sys.stderr.write(f"shim: the sandbox is not this shim's child (/proc/{self.pid}/stat: {stat.strip()}); "
+                         "watching it, its exit status will be unknown\n")
+        self.sel.register(self.pidfd, selectors.EVENT_READ)
 
 
 def spawn(argv: list):
