@@ -10,6 +10,7 @@ Addresses outside loopback appear only as policy inputs the proxy must refuse be
 
 from __future__ import annotations
 
+import os
 import socket
 import string
 import subprocess
@@ -284,6 +285,7 @@ def test_forged_frames_from_a_root_guest_reach_only_its_own_link(env, forged):
         # input="": stdin is a pipe. runsc exec hands the sandbox user its stdio files: given the
         # test's stdin (CI's /dev/null) it would chown the host's /dev/null to nobody.
         assert p.returncode == 0 and p.stdout.startswith("BLOCKED"), (p.stdout, p.stderr[-1000:])
+        assert os.stat("/dev/null").st_uid == 0, "runsc exec was given the host's /dev/null and chowned it"
         if kind == "hostile":
             out = ex(env.gw, sid, "1+1", timeout=120)  # the link carries on
             assert out["status"] == "ok" and out["outputs"][-1]["data"] == {"text/plain": "2"}, out
