@@ -277,6 +277,7 @@ class Sandbox:
             metrics.RESTORE.labels(self.record.driver).observe(time.monotonic() - t0)
             log.info("sandbox %s: restored by %s in %.0f ms", self.id, self.record.driver,
                      (time.monotonic() - t0) * 1000)
+            self.driver.after_restore(runtime)
         if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
                         ready.result()[0]["egress_error"])

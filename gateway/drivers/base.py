@@ -262,3 +262,7 @@ class Driver(abc.ABC):
         caller removes ``image_dir`` afterwards, so files may be moved out of
         it; if the restore fails, ``image_dir`` must be left whole."""
         raise SandboxError(f"the {self.name} driver cannot restore")
+
+    def after_restore(self, sandbox: Sandbox) -> None:
+        """A restored sandbox's agent has answered: housekeeping that must not
+        slow the restore itself starts here (gVisor hands its heap back)."""

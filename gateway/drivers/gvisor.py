@@ -23,9 +23,9 @@ A restored Sentry holds ~70 MiB of Go heap left from reading the image until
 Go's periodic GC (every 2 minutes, twice: finalizers keep part of it alive
 through the first) and its scavenger hand it back, about 4-5 minutes later.
 With `SANDGATE_RUNSC_RECLAIM` on, the driver asks for it back at once: runsc
-runs with `--profile`, and right after a restore the driver requests a heap
-profile (to a file it then removes) a few times, each of which runs runtime.GC() in the
-Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
+runs with `--profile`, and a second after a restored sandbox's agent has
+answered (after_restore()) the driver requests a heap profile (to a file it then
+removes) a few times, each of which runs runtime.GC() in the Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
 read-only), which is why `auto`, the default, leaves it off when runsc runs
 rootless (reclaim_enabled).
 """
@@ -79,7 +79,9 @@ def runsc_path() -> Optional[str]:
 
 DIRECTFS_SINCE = 20230101  # no runsc of 2023 or later is verified for the reclaim (reclaim_enabled)
 RECLAIM_TIMEOUT = 30  # seconds one runsc call of the reclaim may take (a frozen sandbox does not answer)
-RECLAIM_WAIT = 120  # seconds a restore may take before the reclaim gives up
+# Seconds the reclaim waits after a restore: its runsc processes would otherwise share the CPU with the
+# restored sandbox's first cells (a fork's first result came ~40 ms later); the memory can wait.
+RECLAIM_DEFER = 1.0
 RECLAIM_GCS = 3  # measured: one GC frees little (finalizers), three in a row free it all
 IN_PLACE_SINCE = 20240729  # the oldest runsc seen to checkpoint in place (see checkpoints_in_place)
 
@@ -182,7 +184,7 @@ class GVisorSandbox(ProcessSandbox):
         super().__init__(spec)
         self.driver = driver
         self.sockets = socket_dir(driver.home, spec.id, "g")
-        self.reclaiming: Optional[asyncio.Future] = None  # reclaim_restore_heap, after a restore
+        self.reclaiming: Optional[asyncio.Future] = None  # reclaim_restore_heap, after a restore (after_restore())
         self.log_path = self.sockets / "runsc.log"  # runsc's stderr: a file outlives the gateway, a pipe would not
 
     async def start(self, restore_from: Optional[Path] = None) -> None:
@@ -210,8 +212,6 @@ class GVisorSandbox(ProcessSandbox):
                 start_new_session=True)
         (self.sockets / "shim.pid").write_text(str(self.proc.pid))
         await self.connect()
-        if restore_from and self.driver.reclaim:
-            self.reclaiming = asyncio.ensure_future(self.driver.reclaim_restore_heap(self))
 
     async def connect(self) -> None:
         """The agent's stream, through the shim's socket."""
@@ -297,27 +297,22 @@ class GVisorDriver(Driver):
             args.append("--profile")  # the Sentry's profile RPCs: reclaim_restore_heap's way to run its GC
         return args
 
+    def after_restore(self, sandbox: Sandbox) -> None:
+        if self.reclaim and isinstance(sandbox, GVisorSandbox):
+            sandbox.reclaiming = asyncio.ensure_future(self.reclaim_restore_heap(sandbox))
+
     async def reclaim_restore_heap(self, sandbox: GVisorSandbox) -> None:
         """Hand the restore's garbage back to the host now, not in 4-5 minutes:
         each heap profile request runs runtime.GC() in the Sentry; the second
         and third free what finalizers held through the first, and Go's
-        scavenger returns the pages within seconds (PSS ~140 -> ~68 MiB)."""
+        scavenger returns the pages within seconds (PSS ~140 -> ~68 MiB).
+        Started once the restored agent has answered (after_restore()), so runsc
+        has finished the restore."""
         sid = sandbox.id
         try:
-            # The shim listens before runsc starts: wait until runsc reports the restore done.
-            deadline = time.monotonic() + RECLAIM_WAIT
-            interval = 0.25
-            while True:
-                code, out = await self.runsc("state", sid, timeout=RECLAIM_TIMEOUT)
-                if code == 0 and re.search(r'"status":\s*"running"', out):
-                    break
-                if not sandbox.running:
-                    return  # gone before it ran: nothing to reclaim
-                if time.monotonic() > deadline:
-                    log.info("sandbox %s: restore heap not reclaimed: not running after %d s", sid, RECLAIM_WAIT)
-                    return
-                await asyncio.sleep(interval)  # the poll interval; the condition is runsc's status
-                interval = min(interval * 2, 4.0)
+            await asyncio.sleep(RECLAIM_DEFER)  # a deliberate delay (see RECLAIM_DEFER), not a wait for a condition
+            if not sandbox.running:
+                return  # gone already: nothing to reclaim
             # Not /dev/null: when the RPC fails, `runsc debug` removes the file it was given.
             profile = sandbox.sockets / "heap.prof"
             for _ in range(RECLAIM_GCS):
