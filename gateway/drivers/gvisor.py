@@ -23,7 +23,7 @@ A restored Sentry holds ~70 MiB of Go heap left from reading the image until
 Go's periodic GC (every 2 minutes, twice: finalizers keep part of it alive
 through the first) and its scavenger hand it back, about 4-5 minutes later.
 With `SANDGATE_RUNSC_RECLAIM` on, the driver asks for it back at once: runsc
-runs with `--profile`, and a second after a restored sandbox's agent has
+runs with `--profile`, and a moment after a restored sandbox's agent has
 answered (after_restore()) the driver requests a heap profile (to a file it then
 removes) a few times, each of which runs runtime.GC() in the Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
 read-only), which is why `auto`, the default, leaves it off when runsc runs
@@ -79,9 +79,9 @@ def runsc_path() -> Optional[str]:
 
 DIRECTFS_SINCE = 20230101  # no runsc of 2023 or later is verified for the reclaim (reclaim_enabled)
 RECLAIM_TIMEOUT = 30  # seconds one runsc call of the reclaim may take (a frozen sandbox does not answer)
-# Seconds the reclaim waits after a restore: its runsc processes would otherwise share the CPU with the
-# restored sandbox's first cells (a fork's first result came ~40 ms later); the memory can wait.
-RECLAIM_DEFER = 1.0
+# Seconds the reclaim waits after a restored agent answered: its runsc processes would otherwise share
+# the CPU with the sandbox's first cell (a fork's first result); longer, and the memory comes back later.
+RECLAIM_DEFER = 0.25
 RECLAIM_GCS = 3  # measured: one GC frees little (finalizers), three in a row free it all
 IN_PLACE_SINCE = 20240729  # the oldest runsc seen to checkpoint in place (see checkpoints_in_place)
 
