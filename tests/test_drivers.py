@@ -312,3 +312,71 @@ def sentry_has_nothing_to_open(sid):
         held = [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.pid}/fd")]
         dirs = [h for h in held if h.startswith("/") and os.path.isdir(h)]
         assert dirs == [], held  # no host directory for an openat to start from
+
+
+def test_a_gvisor_sandbox_that_ends_while_no_gateway_runs_leaves_no_runsc_record_or_process(home, tmp_path):
+    """runsc runs detached, so no runsc process is there to clean up when the
+    sandbox ends, and no gateway either once it was killed: the shim does (kills
+    what is left, runs `runsc delete`). A record left behind would name pids that
+    the next gateway's `runsc delete` SIGKILLs unchecked, whoever has them by then."""
+    import signal
+    import subprocess
+
+    from conftest import Gateway
+
+    g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false"})
+    try:
+        sid = g.create(driver="gvisor")["id"]
+        runtime = g.request("GET", f"/api/sandboxes/{sid}").json()["runtime_id"]
+        sockets = socket_dir(g.home, runtime, "g")
+        shim = psutil.Process(int((sockets / "shim.pid").read_text()))
+        sentry = psutil.Process(int((sockets / "sandbox.pid").read_text()))
+        assert runtime in " ".join(sentry.cmdline()) and sentry.ppid() == shim.pid  # the shim is its parent
+        g.proc.kill()  # no gateway from here on
+        g.proc.wait()
+        sentry.kill()  # the sandbox ends
+        shim.wait(timeout=60)  # (not its child here: psutil has no exit status for it)
+        assert (sockets / "status").read_text() == str(-signal.SIGKILL)  # the Sentry's, as the shim saw it
+        listed = subprocess.run(["runsc", "--root", str(g.home / "runtime" / "gvisor"), "list", "-quiet"],
+                                input="", capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and runtime not in listed.stdout.split(), listed
+        assert not host_processes(runtime)  # the gofer neither
+    finally:
+        g.stop()
+
+
+def test_a_stale_runsc_record_naming_another_process_is_left_alone(home, tmp_path):
+    """A sandbox whose shim and gateway were both killed, and which then ended, leaves runsc's
+    record behind; by the next start its pids may be other processes', which `runsc delete`
+    would SIGKILL unchecked. The next gateway leaves such a record alone and says so."""
+    import json
+    import subprocess
+
+    from conftest import Gateway
+
+    g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false"})
+    stranger = subprocess.Popen(["sleep", "300"])
+    try:
+        sid = g.create(driver="gvisor")["id"]
+        runtime = g.request("GET", f"/api/sandboxes/{sid}").json()["runtime_id"]
+        g.proc.kill()
+        g.proc.wait()
+        for p in host_processes(runtime):  # shim, Sentry, gofer: nobody is left to clean up
+            p.kill()
+        wait_for(lambda: not host_processes(runtime), timeout=30)
+        record = g.home / "runtime" / "gvisor" / f"{runtime}_sandbox:{runtime}.state"
+        state = json.loads(record.read_text())
+        state["sandbox"]["pid"] = stranger.pid  # as if that pid had been reused
+        record.write_text(json.dumps(state))
+        g2 = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false"}, own_home=g.home)
+        try:
+            # (it may name the gofer's pid first: on a busy host that one can be taken within seconds)
+            wait_for(lambda: f"runsc's record of {runtime} names pid " in g2.log_text(), timeout=120)
+            assert stranger.poll() is None  # not killed
+            assert g2.request("GET", "/api").status == 200
+        finally:
+            g2.stop()
+    finally:
+        stranger.kill()
+        stranger.wait()
+        g.stop()

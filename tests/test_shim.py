@@ -98,11 +98,19 @@ if how.startswith("stranger:"):  # names a process that is not its child
     with open(pidfile, "w") as f:
         f.write(how.split(":")[1])
     sys.exit(0)
+if how in ("with-gofer", "dies-after-start"):  # a second process beside the sandbox, as runsc's gofer
+    gofer = os.fork()
+    if gofer == 0:
+        os.execvp("sleep", ["sleep", "300"])
+    with open(pidfile + ".gofer", "w") as f:
+        f.write(str(gofer))
 pid = os.fork()
 if pid == 0:
     os.execv(sys.executable, [sys.executable, "-c", sys.argv[3]])
 with open(pidfile, "w") as f:
     f.write(str(pid))
+if how == "dies-after-start":  # as a runsc killed (say, by the memory cgroup it waits in) after starting
+    os.kill(os.getpid(), 9)
 '''
 
 
@@ -110,7 +118,10 @@ def shim_argv(tmp: Path, detached: str = "") -> list:
     runtime, options = [sys.executable, "-c", RUNTIME], []
     if detached:
         runtime = [sys.executable, "-c", LAUNCHER, str(tmp / "sandbox.pid"), detached, RUNTIME]
-        options = ["--detached", str(tmp / "sandbox.pid")]
+        # the cleanup (runsc delete) notes which of the launcher's processes were still there when it ran
+        cleanup = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write(repr(sorted(os.listdir('/proc'))))",
+                   str(tmp / "cleaned-up")]
+        options = ["--detached", str(tmp / "sandbox.pid"), "--cleanup", *cleanup]
     return [sys.executable, "-I", "-S", str(SHIM), str(tmp / "shim.sock"), str(tmp / "status"), *options, "--", *runtime]
 
 
@@ -333,6 +344,43 @@ def test_a_sandbox_that_is_not_the_shims_child_is_watched_until_it_exits(tmp_pat
         assert b"not this shim's child" in proc.stderr.read()
     finally:
         stranger.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def gone(pid: int) -> bool:
+    """Not running: exited (a zombie init has yet to reap counts) or never there."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_when_the_sandbox_ends_the_rest_is_ended_and_the_cleanup_runs(tmp_path):
+    r = Running(tmp_path, detached="with-gofer")
+    try:
+        s = r.connect()
+        s.sendall(frame(b"exit", b"5"))
+        gofer = int((tmp_path / "sandbox.pid.gofer").read_text())
+        assert r.proc.wait(timeout=60) == 5  # within the 5 s it gives the gofer, then killed
+        assert gone(gofer)  # not left to init
+        listed = (tmp_path / "cleaned-up").read_text()  # the cleanup ran before the shim exited...
+        assert repr(str(gofer)) not in listed  # ...and after the gofer was gone
+    finally:
+        r.close()
+
+
+def test_a_launcher_that_dies_after_starting_the_sandbox_leaves_nothing_running(tmp_path):
+    proc = subprocess.Popen(shim_argv(tmp_path, "dies-after-start"), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.wait(timeout=60) == 137  # the launcher's status
+        sandbox = int((tmp_path / "sandbox.pid").read_text())
+        gofer = int((tmp_path / "sandbox.pid.gofer").read_text())
+        assert gone(sandbox) and gone(gofer)  # killed, not left running under init
+        assert (tmp_path / "cleaned-up").exists()
+    finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

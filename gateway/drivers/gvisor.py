@@ -206,7 +206,7 @@ class GVisorSandbox(ProcessSandbox):
         with open(self.log_path, "ab") as stderr:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"),
-                "--detached", pidfile, "--",
+                "--detached", pidfile, "--cleanup", *self.driver.runsc_args(), "delete", "--force", self.id, "--",
                 *self.driver.runsc_args(), *verb, "--detach", "--pid-file", pidfile, "--bundle", str(bundle), self.id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
                 start_new_session=True)
@@ -247,7 +247,7 @@ class GVisorSandbox(ProcessSandbox):
             except asyncio.TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
-        await self.driver.runsc("delete", "--force", self.id)
+        await self.driver.delete(self.id)
         shutil.rmtree(self.spec.state_dir, ignore_errors=True)
         shutil.rmtree(self.sockets, ignore_errors=True)
 
@@ -367,13 +367,45 @@ class GVisorDriver(Driver):
         code, out = await self.runsc("list", "-quiet")
         ids = [i for i in (line.strip() for line in out.splitlines()) if i.startswith("sg-") and i not in keep]
         for sid in ids if code == 0 else []:
-            await self.runsc("kill", sid, "KILL")
-            await self.runsc("delete", "--force", sid)
+            if await self._names_its_sandbox(sid):
+                await self.runsc("kill", sid, "KILL")
+                await self.runsc("delete", "--force", sid)
         kept = {socket_dir(self.home, i, "g") for i in keep}
         for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
             if d not in kept:
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
+
+    async def delete(self, sid: str) -> None:
+        """`runsc delete --force`, unless runsc's record names a process that is not the sandbox."""
+        if await self._names_its_sandbox(sid):
+            await self.runsc("delete", "--force", sid)
+
+    async def _names_its_sandbox(self, sid: str) -> bool:
+        """Whether runsc's record of ``sid`` is safe to act on: `runsc delete` SIGKILLs the
+        Sentry's and the gofer's pids it recorded, unchecked. A sandbox that ended while
+        neither its shim nor a gateway was there to clean up leaves a record whose pids
+        other processes may have by now: that record is left alone, with a warning."""
+        path = Path(self.root_dir) / f"{sid}_sandbox:{sid}.state"
+        try:
+            rec = json.loads(path.read_text())
+            pids = [rec.get("goferPid"), (rec.get("sandbox") or {}).get("pid")]
+            bundle = str(rec.get("bundleDir") or "").encode()
+        except (OSError, ValueError, AttributeError):
+            return True  # no record runsc could act on, or not this runsc's format: runsc decides
+        for pid in pids:
+            if not isinstance(pid, int) or pid <= 0:
+                continue
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # gone: nothing to kill there
+            if not (b"runsc" in cmdline and bundle and bundle in cmdline):
+                log.warning("runsc's record of %s names pid %d, which is not its sandbox's now: left alone "
+                            "(`runsc --root %s delete --force %s` once that process is gone)", sid, pid,
+                            self.root_dir, sid)
+                return False
+        return True
 
     @staticmethod
     def memory_in_use(sandbox_id: str) -> Optional[int]:
@@ -455,7 +487,7 @@ class GVisorDriver(Driver):
             await asyncio.wait_for(sandbox.wait(), 30)
         except asyncio.TimeoutError:
             raise SandboxError("sandbox did not stop after its checkpoint") from None
-        await self.runsc("delete", "--force", sandbox.id)
+        await self.delete(sandbox.id)
 
     async def freeze(self, sandbox: Sandbox) -> None:
         # The sandbox's freezer cgroup, not `runsc pause`: this runsc answers a

@@ -16,13 +16,18 @@ and a frame that starts while no gateway is connected waits for the next one.
 When the runtime exits, its exit status (negative for a signal, as in
 subprocess) goes to the file STATUS and the shim exits.
 
-    python shim.py SOCKET STATUS --detached PIDFILE -- runsc ... run --detach --pid-file PIDFILE ...
+    python shim.py SOCKET STATUS --detached PIDFILE [--cleanup CMD ...] -- runsc ... run --detach --pid-file PIDFILE ...
 
 With --detached the runtime is a launcher that starts the sandbox, writes its
 pid to PIDFILE and exits 0 (runsc --detach: no Go process per sandbox left
 waiting on it, ~5 MiB each). The shim is the subreaper of what the launcher
 started, so the sandbox becomes its child: its exit ends the shim, with its
-status, as the launcher's would have.
+status, as the launcher's would have. What an attached runsc did when its
+sandbox ended, the shim does then: it waits a moment for the rest of what
+the launcher started (the gofer) and kills what is left, all of it at once if
+the launcher failed, so nothing outlives the shim; and it runs CMD (`runsc
+delete --force ID`), so that runsc's record of the sandbox, which names its
+pids, is gone before those pids can be reused.
 
 Standard library only and run by path, not imported with the package: it
 lives as long as its sandbox, one per sandbox, so it is one thread on
@@ -261,6 +266,8 @@ class Shim:
         try:
             with open(pidfile) as f:
                 self.pid = int(f.read())
+            if self.pid <= 1:
+                raise ValueError(f"pid {self.pid}")
         except (OSError, ValueError) as e:
             sys.stderr.write(f"shim: the launcher exited without naming its sandbox: {e}\n")
             self.code = 125
@@ -277,9 +284,9 @@ class Shim:
         otherwise never reach us): watch it through a pidfd instead; its exit
         status is then unknown (255)."""
         try:
+            self.pidfd = os.pidfd_open(self.pid)  # first: the stat read below is then of this very process
             with open(f"/proc/{self.pid}/stat") as f:
                 stat = f.read(200)
-            self.pidfd = os.pidfd_open(self.pid)
         except OSError as e:
             sys.stderr.write(f"shim: the sandbox {self.pid} is gone and was not this shim's child: {e}\n")
             self.code = 125
@@ -301,6 +308,69 @@ def spawn(argv: list):
     return pid, in_w, out_r  # os.pipe()'s fds are close-on-exec: the runtime has only its dup2'd ends
 
 
+def children() -> list:
+    """This process's children: as the subreaper, whatever the launcher left too."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN
+        pass
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def end_children(grace: float) -> None:
+    """Let what is left of the sandbox (the gofer, once its Sentry is gone) exit
+    within ``grace`` seconds, then kill and reap the rest: nothing may outlive
+    the shim (it would be init's, and run on unseen)."""
+    end = time.monotonic() + grace
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return  # none left
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.05)  # polled: the event loop that took SIGCHLD has ended
+    for pid in children():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        while True:
+            os.waitpid(-1, 0)
+    except ChildProcessError:
+        pass
+
+
+def clean_up(argv: list, timeout: float = 30.0) -> None:
+    """Run the cleanup command (runsc delete) to its end, or kill it after ``timeout``."""
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ)
+    except OSError as e:
+        sys.stderr.write(f"shim: cannot run {argv[0]}: {e}\n")
+        return
+    end = time.monotonic() + timeout
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > end:
+            sys.stderr.write(f"shim: {' '.join(argv[-3:])} did not finish within {timeout:g} s\n")
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    end_children(0)  # whatever it left behind
+
+
 def become_subreaper() -> None:
     """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
     import ctypes  # only here: the plain shim does without its memory
@@ -309,7 +379,7 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-def main(sock: str, status: str, argv: list, pidfile: str = "") -> int:
+def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = ()) -> int:
     if pidfile:
         become_subreaper()
         if os.path.exists(pidfile):
@@ -330,8 +400,15 @@ def main(sock: str, status: str, argv: list, pidfile: str = "") -> int:
         os.umask(old)
     listener.listen(4)
     pid, stdin, stdout = spawn(argv)  # only once the socket is there: a shim that fails leaves no runtime behind
-    code = Shim(listener, pid, stdin, stdout, wake_r, pidfile).run()
+    shim = Shim(listener, pid, stdin, stdout, wake_r, pidfile)
+    code = shim.run()
     listener.close()
+    if pidfile:
+        # The sandbox ended: the gofer follows within moments. The launcher failed (the
+        # sandbox was never taken over, or not as a child): what it started is killed now.
+        end_children(5.0 if not shim.pidfile and shim.pidfd is None and code != 125 else 0.0)
+        if cleanup:
+            clean_up(list(cleanup))
     tmp = status + ".tmp"
     with open(tmp, "w") as f:
         f.write(str(code))
@@ -343,5 +420,6 @@ if __name__ == "__main__":
     sep = sys.argv.index("--")
     options = sys.argv[3:sep]
     detached = options[options.index("--detached") + 1] if "--detached" in options else ""
-    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached)
+    cleanup = options[options.index("--cleanup") + 1:] if "--cleanup" in options else []
+    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached, cleanup)
     sys.exit(rc if rc >= 0 else 128 - rc)
