@@ -367,7 +367,7 @@ class GVisorDriver(Driver):
         code, out = await self.runsc("list", "-quiet")
         ids = [i for i in (line.strip() for line in out.splitlines()) if i.startswith("sg-") and i not in keep]
         for sid in ids if code == 0 else []:
-            if await self._names_its_sandbox(sid):
+            if self._names_its_sandbox(sid):
                 await self.runsc("kill", sid, "KILL")
                 await self.runsc("delete", "--force", sid)
         kept = {socket_dir(self.home, i, "g") for i in keep}
@@ -376,19 +376,23 @@ class GVisorDriver(Driver):
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
 
+    def _record(self, sid: str) -> Path:
+        """runsc's record of a sandbox (the same name in Debian 12's and 13's runsc)."""
+        return Path(self.root_dir) / f"{sid}_sandbox:{sid}.state"
+
     async def delete(self, sid: str) -> None:
-        """`runsc delete --force`, unless runsc's record names a process that is not the sandbox."""
-        if await self._names_its_sandbox(sid):
+        """`runsc delete --force`, if runsc still has a record of the sandbox (its shim
+        deletes it when the sandbox ends) and that record names no other process."""
+        if self._record(sid).exists() and self._names_its_sandbox(sid):
             await self.runsc("delete", "--force", sid)
 
-    async def _names_its_sandbox(self, sid: str) -> bool:
+    def _names_its_sandbox(self, sid: str) -> bool:
         """Whether runsc's record of ``sid`` is safe to act on: `runsc delete` SIGKILLs the
         Sentry's and the gofer's pids it recorded, unchecked. A sandbox that ended while
         neither its shim nor a gateway was there to clean up leaves a record whose pids
         other processes may have by now: that record is left alone, with a warning."""
-        path = Path(self.root_dir) / f"{sid}_sandbox:{sid}.state"
         try:
-            rec = json.loads(path.read_text())
+            rec = json.loads(self._record(sid).read_text())
             pids = [rec.get("goferPid"), (rec.get("sandbox") or {}).get("pid")]
             bundle = str(rec.get("bundleDir") or "").encode()
         except (OSError, ValueError, AttributeError):
