@@ -24,10 +24,11 @@ Go's periodic GC (every 2 minutes, twice: finalizers keep part of it alive
 through the first) and its scavenger hand it back, about 4-5 minutes later.
 With `SANDGATE_RUNSC_RECLAIM` on, the driver asks for it back at once: runsc
 runs with `--profile`, and a moment after a restored sandbox's agent has
-answered (after_restore()) the driver requests a heap profile (to a file it then
-removes) a few times, each of which runs runtime.GC() in the Sentry. `--profile` widens the Sentry's seccomp filter by one rule (openat,
-read-only), which is why `auto`, the default, leaves it off when runsc runs
-rootless (reclaim_enabled).
+answered (after_restore()) the driver requests a heap profile (to a file it
+then removes) a few times, each of which runs runtime.GC() in the Sentry.
+`--profile` widens the Sentry's seccomp filter by one rule (openat,
+read-only), which is why `auto`, the default, leaves it off rootless or with
+a newer runsc (reclaim_enabled).
 """
 
 from __future__ import annotations

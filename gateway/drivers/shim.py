@@ -317,10 +317,10 @@ def children() -> list:
     except OSError:  # a kernel without CONFIG_PROC_CHILDREN
         pass
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == me:  # the field after the name is the ppid
                     found.append(int(entry))
         except (OSError, ValueError, IndexError):
             continue
@@ -404,9 +404,10 @@ def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = 
     code = shim.run()
     listener.close()
     if pidfile:
-        # The sandbox ended: the gofer follows within moments. The launcher failed (the
-        # sandbox was never taken over, or not as a child): what it started is killed now.
-        end_children(5.0 if not shim.pidfile and shim.pidfd is None and code != 125 else 0.0)
+        # The sandbox, a child of ours, ended: the gofer follows within moments. Otherwise the
+        # launcher failed, or its sandbox was not ours to wait on: what it started is killed now.
+        sandbox_ended = not shim.pidfile and shim.pidfd is None and code != 125
+        end_children(5.0 if sandbox_ended else 0.0)
         if cleanup:
             clean_up(list(cleanup))
     tmp = status + ".tmp"
