@@ -393,11 +393,18 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
 
 
 def test_disk_full_during_checkpoint(home, tmp_path):
-    g = Gateway(home, tmp_path)
-    small = g.home / "checkpoints" / "items"
-    small.mkdir(parents=True, exist_ok=True)
+    # Full before the gateway starts: its warm pool's template (a checkpoint made in the background
+    # at start) meets the full disk too, and must leave nothing either.
+    own = tmp_path / "home"
+    small = own / "checkpoints" / "items"
+    small.mkdir(parents=True)
+    (own / "images").symlink_to(home / "images")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    g = None
     try:
+        g = Gateway(home, tmp_path, own_home=own)
+        wait_for(lambda: "warm start off for gvisor: could not make a template" in g.log_text(), 120)
+        assert "not enough disk space for a checkpoint" in g.log_text()
         sid = create(g)["id"]
         ex(g, sid, "w = 'still here'")
         r = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
@@ -406,7 +413,8 @@ def test_disk_full_during_checkpoint(home, tmp_path):
         assert ex(g, sid, "print(w)").stdout == "still here\n"
         assert list(small.iterdir()) == []  # nothing half-written is left
     finally:
-        g.stop()
+        if g:
+            g.stop()
         subprocess.run(["umount", str(small)])
 
 
