@@ -61,7 +61,7 @@ from pydantic import BaseModel, Field, model_serializer, model_validator
 from .state_chunks import MANIFEST as STATE_MANIFEST, ChunkStore, manifest_keys
 
 CHUNK = 1 << 20
-ASSEMBLED = "assembled"  # a template's images, assembled once (CheckpointStore.restorable(keep=True))
+ASSEMBLED = "assembled"  # a checkpoint's images assembled from their chunks, kept (CheckpointStore.restorable)
 _ZEROS = bytes(CHUNK)  # shared: holes are hashed from it, never read from disk
 _COPY_STEP = 64 << 20  # copy_file_range per call, so a cancel is seen between steps
 _SEEK_DATA = getattr(os, "SEEK_DATA", None)
@@ -324,7 +324,8 @@ SHARED_GRACE = 3600.0
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None, shared: bool = False, replica=None):
+    def __init__(self, root: Path, limits: Optional[SnapshotLimits] = None, shared: bool = False, replica=None,
+                 kept_bytes: int = 0):
         self.root = root
         self.shared = shared  # other nodes read (and, but for a replica, write) these checkpoints too
         self.replica = replica  # an S3Replica (checkpoint_replica.py): each commit is copied there
@@ -341,6 +342,13 @@ class CheckpointStore:
         self._loose: Set[str] = set()  # tokens of finished snapshots taken without a cid
         self._running = 0
         self._assembling: Dict[str, threading.Lock] = {}  # cid -> held while its kept image is assembled
+        # Kept images of checkpoints other than templates (assemble_ahead): at most this many bytes,
+        # least recently restored dropped first; none for a store other nodes share (one node's
+        # eviction would pull an image from under another's restore).
+        self.kept_bytes = 0 if shared else kept_bytes
+        self._ahead: Set[str] = set()  # cids whose image is being assembled ahead: a restore waits for it
+        self._in_use: Dict[str, int] = {}  # cid -> restores reading its kept image now: never evicted
+        self._tasks: Set[asyncio.Future] = set()
 
     # -- records -----------------------------------------------------------
 
@@ -391,12 +399,15 @@ class CheckpointStore:
         if not (state / STATE_MANIFEST).is_file():
             yield state
             return
-        if keep and not move:
+        if not move and (keep or self._kept_or_coming(cid)):
             t0 = time.monotonic()
-            kept = await asyncio.to_thread(self._assembled, cid)
-            log.info("checkpoint %s: assembled image %s in %.0f ms", cid, "kept" if kept[1] else "built and kept",
-                     (time.monotonic() - t0) * 1000)
-            yield kept[0]
+            kept = await asyncio.to_thread(self._assembled, cid, True)
+            try:
+                log.info("checkpoint %s: assembled image %s in %.0f ms", cid, "kept" if kept[1] else "built and kept",
+                         (time.monotonic() - t0) * 1000)
+                yield kept[0]
+            finally:
+                self._release(cid)
             return
         work = self.root / "restoring" / uuid.uuid4().hex[:12]
 
@@ -418,18 +429,19 @@ class CheckpointStore:
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
 
-    def _assembled(self, cid: str) -> Tuple[Path, bool]:
+    def _assembled(self, cid: str, use: bool = False) -> Tuple[Path, bool]:
         """Checkpoint ``cid``'s images assembled in ``items/<cid>/assembled`` (built under a
         temporary name and renamed, so one that exists is whole), and whether it was there
         already. It goes with the checkpoint's directory; it is a copy of what its chunks hold,
-        so no record's ``stored_bytes`` counts it (about ``state_bytes``, uncompressed)."""
+        so no record's ``stored_bytes`` counts it (about ``state_bytes``, uncompressed).
+        ``use``: for a restore, which holds it (``_release``) so no eviction takes it meanwhile."""
         kept = self.items / cid / ASSEMBLED
-        if kept.is_dir():
+        if self._take(cid, kept, use):
             return kept, True
         with self._lock:
             lock = self._assembling.setdefault(cid, threading.Lock())
         with lock:  # concurrent restores of one template assemble it once
-            if kept.is_dir():
+            if self._take(cid, kept, use):
                 return kept, True
             state = self.state_dir(cid)
             tmp = self.items / cid / f"{ASSEMBLED}.tmp-{uuid.uuid4().hex[:8]}"
@@ -439,14 +451,109 @@ class CheckpointStore:
                     if p.name != STATE_MANIFEST:  # relative: the links hold wherever the store is mounted
                         (tmp / p.name).symlink_to(Path("..") / "state" / p.name)
                 self.chunks.assemble(state, tmp)
-                try:
-                    os.rename(tmp, kept)
-                except OSError as e:  # another process renamed its own first: use that one
-                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise
+                with self._lock:
+                    try:
+                        os.rename(tmp, kept)
+                    except OSError as e:  # another process renamed its own first: use that one
+                        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                            raise
+                    if use:
+                        self._in_use[cid] = self._in_use.get(cid, 0) + 1
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return kept, False
+
+    def _take(self, cid: str, kept: Path, use: bool) -> bool:
+        """Whether ``kept`` is there; for a restore (``use``) it is held from then on, and marked
+        as the most recently used."""
+        with self._lock:
+            if not kept.is_dir():
+                return False
+            if use:
+                self._in_use[cid] = self._in_use.get(cid, 0) + 1
+        if use:
+            with contextlib.suppress(OSError):
+                os.utime(kept)
+        return True
+
+    def _release(self, cid: str) -> None:
+        with self._lock:
+            n = self._in_use.pop(cid, 1) - 1
+            if n > 0:
+                self._in_use[cid] = n
+
+    def _kept_or_coming(self, cid: str) -> bool:
+        """Whether a restore of ``cid`` should read its kept image: there, or being assembled ahead."""
+        if self.shared:  # only templates' images are kept where nodes share the store
+            return False
+        with self._lock:
+            if cid in self._ahead:
+                return True
+        return (self.items / cid / ASSEMBLED).is_dir()
+
+    def assemble_ahead(self, cid: str, protect=()) -> Optional[asyncio.Future]:
+        """Assemble committed checkpoint ``cid``'s image now, in a worker thread, and keep it: its
+        next restore (a fork) reads it instead of assembling it on its critical path. Then drop the
+        least recently used kept images beyond ``kept_bytes``, never one in ``protect`` (templates)
+        or one a restore is reading. None when nothing is kept (no budget, shared, a whole image)."""
+        if not self.kept_bytes or not (self.state_dir(cid) / STATE_MANIFEST).is_file():
+            return None
+        with self._lock:
+            self._ahead.add(cid)
+        protect = set(protect)
+
+        def work():
+            t0 = time.monotonic()
+            try:
+                kept, had = self._assembled(cid)
+                if not had:
+                    log.info("checkpoint %s: image assembled ahead and kept in %.0f ms", cid,
+                             (time.monotonic() - t0) * 1000)
+            except (OSError, ValueError) as e:  # a full disk, or deleted meanwhile: a restore assembles it
+                log.warning("checkpoint %s: image not assembled ahead: %s", cid, e)
+            finally:
+                with self._lock:
+                    self._ahead.discard(cid)
+            self.evict_kept(protect, spare=cid)
+
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        self._tasks.add(task)  # referenced until done: the loop keeps only a weak one
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def evict_kept(self, protect=(), spare: str = "") -> int:
+        """Drop kept images beyond ``kept_bytes``, least recently used first; ``protect``'s
+        (templates') are neither counted nor dropped, ``spare``'s (the one just made) and those
+        a restore reads are counted but not dropped. Returns how many were dropped."""
+        protect = set(protect)
+        kept = []
+        for d in self.items.glob(f"*/{ASSEMBLED}"):
+            try:
+                kept.append((d.stat().st_mtime, dir_size(d), d))
+            except OSError:
+                continue
+        total = sum(size for _, size, d in kept if d.parent.name not in protect)
+        dropped = 0
+        for _, size, d in sorted(kept):
+            if total <= self.kept_bytes:
+                break
+            cid = d.parent.name
+            if cid in protect or cid == spare:
+                continue
+            with self._lock:
+                if self._in_use.get(cid) or cid in self._ahead:
+                    continue
+                gone = d.with_name(f"{ASSEMBLED}.tmp-{uuid.uuid4().hex[:8]}")
+                try:  # renamed under the lock: no restore takes it from here on
+                    os.rename(d, gone)
+                except OSError:
+                    continue
+            shutil.rmtree(gone, ignore_errors=True)
+            total -= size
+            dropped += 1
+            log.info("checkpoint %s: kept image dropped (%d MB of kept images, at most %d)", cid, total >> 20,
+                     self.kept_bytes >> 20)
+        return dropped
 
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha
@@ -501,6 +608,8 @@ class CheckpointStore:
     def discard(self, cid: str) -> None:
         self._close(cid)
         shutil.rmtree(self.items / cid, ignore_errors=True)
+        with self._lock:
+            self._assembling.pop(cid, None)
 
     def _close(self, cid: str) -> None:
         with self._lock:

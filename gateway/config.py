@@ -58,6 +58,10 @@ class Settings(BaseModel):
     # Checkpoints a fleet's nodes share: a directory on a shared volume, or s3://bucket/prefix (each
     # node's own in its home, copied to the bucket); "": the home's own, for this node alone.
     checkpoint_store: str = ""
+    # Checkpoints' running-state images kept assembled (about state_bytes each, uncompressed) so
+    # that a fork restores without assembling: at most this much disk, least recently used dropped
+    # first; templates' are kept beside it. 0: assembled at each restore. Not with a shared store.
+    kept_images_mb: int = Field(1024, ge=0)
     execute_output_mb: int = Field(16, ge=1)  # what one POST /execute collects; the rest is cut, marked
     client_buffer_mb: int = Field(32, ge=1)  # unsent output per websocket before it is dropped as too slow
     iopub_msg_rate: float = Field(1000, ge=0, allow_inf_nan=False)  # per client, messages/s; 0 = no limit
@@ -107,6 +111,7 @@ class Settings(BaseModel):
         "checkpoint_max_bytes": "SANDGATE_CHECKPOINT_MAX_BYTES",
         "checkpoint_max_new_bytes": "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
         "checkpoint_max_files": "SANDGATE_CHECKPOINT_MAX_FILES", "checkpoint_store": "SANDGATE_CHECKPOINT_STORE",
+        "kept_images_mb": "SANDGATE_KEPT_IMAGES_MB",
         "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",

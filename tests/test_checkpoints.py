@@ -2,6 +2,7 @@
 sandboxes through the sandbox API (and the Jupyter websocket for forks)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -76,6 +77,13 @@ print(x, t.is_alive(), ticks[0] > before, numpy.__name__, open('log.txt').read()
         assert gw.request("DELETE", f"/api/sandboxes/{s}").status == 204
 
 
+def without_kept_image(gw, cid: str) -> None:
+    """Checkpoint ``cid`` as it was before images were kept assembled: its restore reads its chunks."""
+    kept = gw.home / "checkpoints" / "items" / cid / "assembled"
+    wait_for(kept.is_dir, timeout=60)  # assembled ahead, in the background, once it was taken
+    shutil.rmtree(kept)
+
+
 def stored_chunks(gw) -> set:
     return {p.name for p in (gw.home / "checkpoints" / "chunks").glob("*/*")}
 
@@ -104,6 +112,9 @@ def test_running_state_checkpoints_store_only_changes(gw):
         assert r.status == 201, r.body
         forks.append(r.json()["id"])
         assert ex(gw, forks[-1], "print(x)").stdout == want + "\n"
+        # Restored from the image kept assembled (made ahead once the checkpoint was taken).
+        assert f"checkpoint {cp['id']}: assembled image" in gw.log_text()
+        assert (gw.home / "checkpoints" / "items" / cp["id"] / "assembled" / "checkpoint.img").is_file()
     assert ex(gw, sid, "print(x)").stdout == "42\n"
 
     # Another sandbox's checkpoint shares chunks with these (the same interpreter, mostly).
@@ -136,6 +147,7 @@ def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
     sid = create(gw)["id"]
     ex(gw, sid, "x = 41")
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    without_kept_image(gw, cp["id"])
     to_deflate_sync(CheckpointStore(gw.home / "checkpoints"), cp["id"])
     r = gw.request("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cp["id"]})
     assert r.status == 201, r.body
@@ -376,6 +388,7 @@ def test_damaged_checkpoint_is_a_clear_error(gw):
     sid = create(gw)["id"]
     ex(gw, sid, "v = 1")
     cp = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()
+    without_kept_image(gw, cp["id"])
     state = gw.home / "checkpoints" / "items" / cp["id"] / "state"
     keys = list(json_keys(gw, cp["id"]))
     chunk = gw.home / "checkpoints" / "chunks" / keys[len(keys) // 2][:2] / keys[len(keys) // 2]

@@ -85,7 +85,8 @@ def restored(store: CheckpointStore, cid: str, name: str) -> bytes:
         async with store.restorable(cid) as d:
             return (d / name).read_bytes(), d
     data, d = asyncio.run(go())
-    assert not d.exists() or d == store.state_dir(cid)  # an assembled directory is gone after the restore
+    # An image assembled for this restore is gone after it; a kept one (assembled/) stays.
+    assert not d.exists() or d in (store.state_dir(cid), store.items / cid / "assembled")
     return data
 
 
@@ -239,9 +240,8 @@ def test_a_kept_image_is_assembled_once_and_goes_with_its_checkpoint(tmp_path):
     # Assembled once: later restores read the kept image, not the chunks (here gone).
     key = next(manifest_keys(store.state_dir(cp.id)))
     store.chunks.path(key).rename(tmp_path / "aside")
-    with pytest.raises(DamagedImage, match=key):
-        restored(store, cp.id, "checkpoint.img")
     assert asyncio.run(kept())[1] == once
+    assert restored(store, cp.id, "checkpoint.img") == once  # any restore reads a kept image
     store.chunks.path(key).parent.joinpath(key).write_bytes((tmp_path / "aside").read_bytes())
     # Not in the record's accounting (a copy of the chunks); kept by a sweep while committed.
     assert store.get(cp.id).stored_bytes == cp.stored_bytes < len(once)
@@ -249,6 +249,59 @@ def test_a_kept_image_is_assembled_once_and_goes_with_its_checkpoint(tmp_path):
     assert d.is_dir()
     store.discard(cp.id)
     assert not d.exists()
+
+
+def test_an_image_assembled_ahead_is_what_the_next_restore_reads(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", kept_bytes=64 * MiB)
+    image = bytes(memory_like(15, 2 * MiB))
+    cp = take(store, "state.mig", image, extra={"vm.json": b"{}"})
+
+    async def ahead_then_restore():
+        ahead = store.assemble_ahead(cp.id)
+        async with store.restorable(cp.id) as d:  # started at once: it waits for the assembly, not a second one
+            return await ahead, d, (d / "state.mig").read_bytes(), (d / "vm.json").read_bytes()
+    _, d, body, meta = asyncio.run(ahead_then_restore())
+    assert d == store.items / cp.id / "assembled" and d.is_dir()  # kept after the restore
+    assert body == image and meta == b"{}"
+    assert not (store.root / "restoring").exists() or not any((store.root / "restoring").iterdir())
+    # Nothing to assemble ahead for a whole image, or for a store other nodes share.
+    whole, _ = store.new_dir()
+    store.state_dir(whole).mkdir()
+    assert store.assemble_ahead(whole) is None
+    shared = CheckpointStore(tmp_path / "shared", shared=True, kept_bytes=64 * MiB)
+    cp2 = take(shared, "state.mig", image)
+    assert shared.assemble_ahead(cp2.id) is None
+    assert restored(shared, cp2.id, "state.mig") == image and not (shared.items / cp2.id / "assembled").exists()
+
+
+def test_kept_images_beyond_their_budget_go_least_recently_used_first_but_never_one_in_use(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", kept_bytes=5 * MiB)  # two of the 2 MiB images below
+    images = [bytes(memory_like(20 + i, 2 * MiB)) for i in range(4)]
+    cps = [take(store, "state.mig", im) for im in images]
+    kept = [store.items / cp.id / "assembled" for cp in cps]
+
+    async def ahead(i, protect=()):
+        await store.assemble_ahead(cps[i].id, protect)
+    asyncio.run(ahead(0))
+    asyncio.run(ahead(1))
+    os.utime(kept[0], (2000, 2000))
+    os.utime(kept[1], (1000, 1000))  # the older one
+    assert restored(store, cps[0].id, "state.mig") == images[0]  # a restore marks it as used now
+    asyncio.run(ahead(2))  # a third is over the budget: the least recently used one goes
+    assert [k.is_dir() for k in kept[:3]] == [True, False, True]
+    assert restored(store, cps[1].id, "state.mig") == images[1]  # from its chunks again, not kept anew
+    assert not kept[1].exists()
+
+    async def while_restoring():
+        async with store.restorable(cps[0].id) as d:
+            os.utime(kept[0], (1, 1))  # the oldest, but read by this restore
+            store.kept_bytes = 1
+            dropped = store.evict_kept(protect={cps[2].id})  # and one a template's: kept
+            return dropped, (d / "state.mig").read_bytes()
+    assert asyncio.run(while_restoring()) == (0, images[0])
+    assert kept[0].is_dir() and kept[2].is_dir()
+    assert store.evict_kept(protect={cps[2].id}) == 1 and not kept[0].exists() and kept[2].is_dir()
+    assert not list(store.items.glob("*/assembled.tmp-*"))  # a dropped image leaves nothing behind
 
 
 def test_a_crashed_assembly_is_swept(tmp_path):

@@ -57,7 +57,8 @@ class SandboxManager:
             where, replica = "", S3Replica(settings.checkpoint_store)
         self.checkpoints = CheckpointStore(Path(where) if where else settings.home / "checkpoints", SnapshotLimits(
             max_bytes=settings.checkpoint_max_bytes, max_new_bytes=settings.checkpoint_max_new_bytes,
-            max_files=settings.checkpoint_max_files), shared=bool(settings.checkpoint_store), replica=replica)
+            max_files=settings.checkpoint_max_files), shared=bool(settings.checkpoint_store), replica=replica,
+            kept_bytes=settings.kept_images_mb << 20)
         self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
         self.stopping = False  # set by suspend_all: nothing wakes up any more

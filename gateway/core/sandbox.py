@@ -610,6 +610,8 @@ class Sandbox:
                             files_bytes=sum(f.size for f in files.values()), new_bytes=new,
                             stored_bytes=state_new + new, executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
+            # Its image assembled now, in the background, so that forking it skips that step.
+            store.assemble_ahead(cid, protect=self.manager.pool.templates.values())
         except BaseException as e:
             store.discard(cid)
             if not resume:  # stopped for good by the checkpoint, which is lost: say so
