@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandgate.pool")
 
+# After a template could not be made (a full disk, say), warm start waits this long before the next
+# try, doubling each time it fails again up to the last; sandboxes start cold meanwhile.
+TEMPLATE_RETRY = (60.0, 3600.0)
+_clock = time.monotonic  # of those waits (a test moves it on)
+
 
 class WarmPool:
     def __init__(self, manager: "SandboxManager"):
@@ -45,6 +50,7 @@ class WarmPool:
         self.failures = 0  # refills that failed, for operators
         self._current: set = set()  # template ids whose stored image format was checked
         self._outdated: set = set()  # template ids to be made anew (logged once)
+        self._retry: Dict[str, tuple] = {}  # driver -> (monotonic time of the next template try, last wait)
 
     def _key(self, driver: str) -> str:
         from sandgate_images import rootfs as images
@@ -52,7 +58,8 @@ class WarmPool:
         return f"{driver}:{images.image_dir(self.settings.home).name}:{self.manager.agent_dir().name}"
 
     def enabled(self, driver: str) -> bool:
-        return self.settings.warm_start and self.manager.drivers[driver].can_checkpoint
+        return (self.settings.warm_start and self.manager.drivers[driver].can_checkpoint
+                and _clock() >= self._retry.get(driver, (0.0, 0.0))[0])
 
     def ready_template(self, driver: str) -> Optional[Checkpoint]:
         if not self.enabled(driver):
@@ -108,12 +115,15 @@ class WarmPool:
                 await sb.to(State.RUNNING)
                 cp = await sb.checkpoint("template", resume=False)
             except Exception as e:
-                log.warning("warm start off for %s: could not make a template: %s", driver, e)
-                self.manager.drivers[driver].can_checkpoint = False
+                wait = min(max(TEMPLATE_RETRY[0], 2 * self._retry.get(driver, (0.0, 0.0))[1]), TEMPLATE_RETRY[1])
+                self._retry[driver] = (_clock() + wait, wait)
+                log.warning("warm start off for %s: could not make a template: %s; trying again in %.0f s",
+                            driver, e, wait)
                 return None
             finally:
                 await sb.teardown()
                 await sb.ws.delete()
+            self._retry.pop(driver, None)
             self.templates[key] = cp.id
             tmp = self._file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.templates))
