@@ -58,7 +58,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from pydantic import BaseModel, Field, model_serializer, model_validator
 
-from .state_chunks import MANIFEST as STATE_MANIFEST, ChunkStore, manifest_keys
+from .state_chunks import MANIFEST as STATE_MANIFEST, ChunkStore, assembled_size, manifest_keys
 
 CHUNK = 1 << 20
 ASSEMBLED = "assembled"  # a checkpoint's images assembled from their chunks, kept (CheckpointStore.restorable)
@@ -321,6 +321,7 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXE
 # without its record, or a blob no record names, may be another node's unfinished one:
 # only those older than this are swept.
 SHARED_GRACE = 3600.0
+KEEP_FREE = 1 << 30  # CheckpointStore.keep_free: kept images give way below this much free disk
 
 
 class CheckpointStore:
@@ -346,6 +347,9 @@ class CheckpointStore:
         # least recently restored dropped first; none for a store other nodes share (one node's
         # eviction would pull an image from under another's restore).
         self.kept_bytes = 0 if shared else kept_bytes
+        # ... and they give way to checkpoints: none is made, and the oldest go, while the disk has
+        # less than this free (a checkpoint refused for want of space would cost more than a fork's time).
+        self.keep_free = KEEP_FREE
         self._ahead: Set[str] = set()  # cids whose image is being assembled ahead: a restore waits for it
         self._in_use: Dict[str, int] = {}  # cid -> restores reading its kept image now: never evicted
         self._tasks: Set[asyncio.Future] = set()
@@ -505,6 +509,10 @@ class CheckpointStore:
         def work():
             t0 = time.monotonic()
             try:
+                if self._free() < self.keep_free + assembled_size(self.state_dir(cid)):
+                    log.info("checkpoint %s: image not kept assembled: under %d MB of disk would be left",
+                             cid, self.keep_free >> 20)
+                    return
                 kept, had = self._assembled(cid)
                 if not had:
                     log.info("checkpoint %s: image assembled ahead and kept in %.0f ms", cid,
@@ -522,10 +530,12 @@ class CheckpointStore:
         return task
 
     def evict_kept(self, protect=(), spare: str = "") -> int:
-        """Drop kept images beyond ``kept_bytes``, least recently used first; ``protect``'s
-        (templates') are neither counted nor dropped, ``spare``'s (the one just made) and those
-        a restore reads are counted but not dropped. Returns how many were dropped."""
+        """Drop kept images beyond ``kept_bytes``, or while the disk has under ``keep_free``
+        free, least recently used first; ``protect``'s (templates') are neither counted nor
+        dropped, ``spare``'s (the one just made) and those a restore reads are counted but not
+        dropped. Returns how many were dropped."""
         protect = set(protect)
+        free = self._free()
         kept = []
         for d in self.items.glob(f"*/{ASSEMBLED}"):
             try:
@@ -535,7 +545,7 @@ class CheckpointStore:
         total = sum(size for _, size, d in kept if d.parent.name not in protect)
         dropped = 0
         for _, size, d in sorted(kept):
-            if total <= self.kept_bytes:
+            if total <= self.kept_bytes and free >= self.keep_free:
                 break
             cid = d.parent.name
             if cid in protect or cid == spare:
@@ -550,10 +560,15 @@ class CheckpointStore:
                     continue
             shutil.rmtree(gone, ignore_errors=True)
             total -= size
+            free += size
             dropped += 1
             log.info("checkpoint %s: kept image dropped (%d MB of kept images, at most %d)", cid, total >> 20,
                      self.kept_bytes >> 20)
         return dropped
+
+    def _free(self) -> int:
+        st = os.statvfs(self.items)
+        return st.f_bavail * st.f_frsize
 
     def _blob(self, sha: str) -> Path:
         return self.blobs / sha[:2] / sha

@@ -60,7 +60,8 @@ class Settings(BaseModel):
     checkpoint_store: str = ""
     # Checkpoints' running-state images kept assembled (about state_bytes each, uncompressed) so
     # that a fork restores without assembling: at most this much disk, least recently used dropped
-    # first; templates' are kept beside it. 0: assembled at each restore. Not with a shared store.
+    # first (and while the disk has under 1 GiB free); templates' are kept beside it. 0: assembled at
+    # each restore. Not with a shared store.
     kept_images_mb: int = Field(1024, ge=0)
     execute_output_mb: int = Field(16, ge=1)  # what one POST /execute collects; the rest is cut, marked
     client_buffer_mb: int = Field(32, ge=1)  # unsent output per websocket before it is dropped as too slow

@@ -430,3 +430,9 @@ def manifest_keys(state_dir: Path) -> Iterator[str]:
     for entry in read_manifest(state_dir)["files"].values():
         for chunk in entry["chunks"]:
             yield chunk[0]
+
+
+def assembled_size(state_dir: Path) -> int:
+    """About the bytes ``ChunkStore.assemble`` writes for ``state_dir`` (a gVisor image's frames
+    stored, not deflated: several times the image runsc wrote)."""
+    return sum(chunk[1] for entry in read_manifest(state_dir)["files"].values() for chunk in entry["chunks"])

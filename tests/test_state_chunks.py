@@ -304,6 +304,33 @@ def test_kept_images_beyond_their_budget_go_least_recently_used_first_but_never_
     assert not list(store.items.glob("*/assembled.tmp-*"))  # a dropped image leaves nothing behind
 
 
+def test_kept_images_give_way_when_the_disk_is_short_of_space(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", kept_bytes=64 * MiB)
+    image = bytes(memory_like(30, 2 * MiB))
+    cps = [take(store, "state.mig", image) for _ in range(2)]
+    kept = [store.items / cp.id / "assembled" for cp in cps]
+    free = store._free()
+    store.keep_free = free  # keeping the image would leave less than this: not kept
+    asyncio.run(ahead_of(store, cps[0].id))
+    assert not kept[0].exists()
+    assert restored(store, cps[0].id, "state.mig") == image  # from its chunks, as before
+    store.keep_free = 0
+    asyncio.run(ahead_of(store, cps[0].id))
+    asyncio.run(ahead_of(store, cps[1].id))
+    assert kept[0].is_dir() and kept[1].is_dir()
+    os.utime(kept[0], (1000, 1000))  # the older one
+    # Within the budget, but the disk now has less free than wanted: the oldest goes first.
+    store.keep_free = store._free() + MiB
+    assert store.evict_kept() == 1 and not kept[0].exists() and kept[1].is_dir()
+    store.keep_free = store._free() + 64 * MiB
+    assert store.evict_kept(spare=cps[1].id) == 0 and kept[1].is_dir()  # the one just made stays
+    assert store.evict_kept() == 1 and not kept[1].exists()
+
+
+async def ahead_of(store, cid):
+    return await store.assemble_ahead(cid)
+
+
 def test_a_crashed_assembly_is_swept(tmp_path):
     store = CheckpointStore(tmp_path / "ck")
     cp = take(store, "state.mig", bytes(memory_like(14, MiB)))
