@@ -352,7 +352,8 @@ class CheckpointStore:
         self.keep_free = KEEP_FREE
         self._ahead: Set[str] = set()  # cids whose image is being assembled ahead: a restore waits for it
         self._in_use: Dict[str, int] = {}  # cid -> restores reading its kept image now: never evicted
-        self._tasks: Set[asyncio.Future] = set()
+        self._queue: List[Tuple[str, Set[str], asyncio.Future]] = []  # assemble_ahead's, in order
+        self._runner: Optional[asyncio.Future] = None
 
     # -- records -----------------------------------------------------------
 
@@ -405,7 +406,12 @@ class CheckpointStore:
             return
         if not move and (keep or self._kept_or_coming(cid)):
             t0 = time.monotonic()
-            kept = await asyncio.to_thread(self._assembled, cid, True)
+            taking = asyncio.ensure_future(asyncio.to_thread(self._assembled, cid, True))
+            try:
+                kept = await asyncio.shield(taking)
+            except asyncio.CancelledError:  # the thread goes on and takes a hold: let go of it then
+                taking.add_done_callback(lambda f: f.cancelled() or f.exception() or self._release(cid))
+                raise
             try:
                 log.info("checkpoint %s: assembled image %s in %.0f ms", cid, "kept" if kept[1] else "built and kept",
                          (time.monotonic() - t0) * 1000)
@@ -490,44 +496,53 @@ class CheckpointStore:
         """Whether a restore of ``cid`` should read its kept image: there, or being assembled ahead."""
         if self.shared:  # only templates' images are kept where nodes share the store
             return False
-        with self._lock:
-            if cid in self._ahead:
-                return True
-        return (self.items / cid / ASSEMBLED).is_dir()
+        # No lock: a set lookup is atomic, and sweep() may hold the lock for long on this thread's loop.
+        return cid in self._ahead or (self.items / cid / ASSEMBLED).is_dir()
 
     def assemble_ahead(self, cid: str, protect=()) -> Optional[asyncio.Future]:
-        """Assemble committed checkpoint ``cid``'s image now, in a worker thread, and keep it: its
+        """Assemble committed checkpoint ``cid``'s image soon, in a worker thread, and keep it: its
         next restore (a fork) reads it instead of assembling it on its critical path. Then drop the
         least recently used kept images beyond ``kept_bytes``, never one in ``protect`` (templates)
-        or one a restore is reading. None when nothing is kept (no budget, shared, a whole image)."""
+        or one a restore is reading. One at a time, in the order asked: a burst of checkpoints
+        neither takes every worker thread nor all checks the free disk before any has written.
+        Returns a future done once this one is; None when nothing is kept (no budget, shared, a
+        whole image)."""
         if not self.kept_bytes or not (self.state_dir(cid) / STATE_MANIFEST).is_file():
             return None
         with self._lock:
             self._ahead.add(cid)
-        protect = set(protect)
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((cid, set(protect), done))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.ensure_future(self._run_ahead())  # referenced: the loop keeps only a weak one
+        return done
 
-        def work():
-            t0 = time.monotonic()
+    async def _run_ahead(self) -> None:
+        while self._queue:
+            cid, protect, done = self._queue.pop(0)
             try:
-                if self._free() < self.keep_free + assembled_size(self.state_dir(cid)):
-                    log.info("checkpoint %s: image not kept assembled: under %d MB of disk would be left",
-                             cid, self.keep_free >> 20)
-                    return
+                await asyncio.to_thread(self._assemble_ahead, cid, protect)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    def _assemble_ahead(self, cid: str, protect: Set[str]) -> None:
+        t0 = time.monotonic()
+        try:
+            if self._free() < self.keep_free + assembled_size(self.state_dir(cid)):
+                log.info("checkpoint %s: image not kept assembled: under %d MB of disk would be left",
+                         cid, self.keep_free >> 20)
+            else:
                 kept, had = self._assembled(cid)
                 if not had:
                     log.info("checkpoint %s: image assembled ahead and kept in %.0f ms", cid,
                              (time.monotonic() - t0) * 1000)
-            except (OSError, ValueError) as e:  # a full disk, or deleted meanwhile: a restore assembles it
-                log.warning("checkpoint %s: image not assembled ahead: %s", cid, e)
-            finally:
-                with self._lock:
-                    self._ahead.discard(cid)
-            self.evict_kept(protect, spare=cid)
-
-        task = asyncio.ensure_future(asyncio.to_thread(work))
-        self._tasks.add(task)  # referenced until done: the loop keeps only a weak one
-        task.add_done_callback(self._tasks.discard)
-        return task
+        except (OSError, ValueError) as e:  # a full disk, or deleted meanwhile: a restore assembles it
+            log.warning("checkpoint %s: image not assembled ahead: %s", cid, e)
+        finally:
+            with self._lock:
+                self._ahead.discard(cid)
+        self.evict_kept(protect, spare=cid)  # also when none was made: the disk may be short
 
     def evict_kept(self, protect=(), spare: str = "") -> int:
         """Drop kept images beyond ``kept_bytes``, or while the disk has under ``keep_free``
@@ -924,12 +939,11 @@ class CheckpointStore:
                     blob.unlink(missing_ok=True)
                     removed += 1
             removed += self.chunks.sweep(self._live_chunks(), self._old)
-            for d in self.items.glob(f"*/{ASSEMBLED}.tmp-*"):  # _assembled() removes its own: a crash's
-                if time.time() - d.stat().st_mtime > SHARED_GRACE:
-                    shutil.rmtree(d, ignore_errors=True)
-            restoring = self.root / "restoring"  # restorable() removes its own: these are a crash's
-            if restoring.is_dir():
-                for d in restoring.iterdir():
+            restoring = self.root / "restoring"
+            # _assembled(), evict_kept() and restorable() remove their own, perhaps just now (outside
+            # the lock): those left for an hour are a crash's.
+            for d in [*self.items.glob(f"*/{ASSEMBLED}.tmp-*"), *(restoring.iterdir() if restoring.is_dir() else ())]:
+                with contextlib.suppress(FileNotFoundError):
                     if time.time() - d.stat().st_mtime > SHARED_GRACE:
                         shutil.rmtree(d, ignore_errors=True)
         return removed

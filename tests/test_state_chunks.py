@@ -12,6 +12,7 @@ import json
 import os
 import random
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -256,6 +257,10 @@ def test_an_image_assembled_ahead_is_what_the_next_restore_reads(tmp_path):
     image = bytes(memory_like(15, 2 * MiB))
     cp = take(store, "state.mig", image, extra={"vm.json": b"{}"})
 
+    assembled = []
+    real_assemble = store.chunks.assemble
+    store.chunks.assemble = lambda *a, **kw: (assembled.append(a), real_assemble(*a, **kw))[1]
+
     async def ahead_then_restore():
         ahead = store.assemble_ahead(cp.id)
         async with store.restorable(cp.id) as d:  # started at once: it waits for the assembly, not a second one
@@ -263,6 +268,7 @@ def test_an_image_assembled_ahead_is_what_the_next_restore_reads(tmp_path):
     _, d, body, meta = asyncio.run(ahead_then_restore())
     assert d == store.items / cp.id / "assembled" and d.is_dir()  # kept after the restore
     assert body == image and meta == b"{}"
+    assert len(assembled) == 1  # by whichever came first; the other used it
     assert not (store.root / "restoring").exists() or not any((store.root / "restoring").iterdir())
     # Nothing to assemble ahead for a whole image, or for a store other nodes share.
     whole, _ = store.new_dir()
@@ -324,7 +330,43 @@ def test_kept_images_give_way_when_the_disk_is_short_of_space(tmp_path):
     assert store.evict_kept() == 1 and not kept[0].exists() and kept[1].is_dir()
     store.keep_free = store._free() + 64 * MiB
     assert store.evict_kept(spare=cps[1].id) == 0 and kept[1].is_dir()  # the one just made stays
-    assert store.evict_kept() == 1 and not kept[1].exists()
+    # A checkpoint taken now, with the disk short: its image is not kept, and the others give way.
+    cp3 = take(store, "state.mig", image)
+    asyncio.run(ahead_of(store, cp3.id))
+    assert not kept[1].exists() and not (store.items / cp3.id / "assembled").exists()
+
+
+def test_a_restore_cancelled_while_it_takes_a_kept_image_lets_go_of_it(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", kept_bytes=64 * MiB)
+    cp = take(store, "state.mig", bytes(memory_like(31, MiB)))
+    kept = store.items / cp.id / "assembled"
+    entered, go_on = threading.Event(), threading.Event()
+    real = store._assembled
+
+    def held_up(cid, use=False):
+        entered.set()
+        go_on.wait(30)
+        return real(cid, use)
+    store._assembled = held_up
+
+    async def cancelled_restore():
+        async def restore():
+            async with store.restorable(cp.id, keep=True):
+                raise AssertionError("cancelled before it had the image")
+        task = asyncio.ensure_future(restore())
+        await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        go_on.set()  # the thread finishes after the cancel and takes its hold
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(600):  # until the thread is done and the hold let go (bounded)
+            if kept.is_dir() and not store._in_use:
+                return
+            await asyncio.sleep(0.05)
+    asyncio.run(cancelled_restore())
+    assert kept.is_dir() and store._in_use == {}
+    store.kept_bytes = 1
+    assert store.evict_kept() == 1 and not kept.exists()  # not pinned for the process's life
 
 
 async def ahead_of(store, cid):
