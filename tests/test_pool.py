@@ -31,7 +31,7 @@ async def test_a_template_that_could_not_be_made_is_tried_again_after_a_wait(tmp
     # Meanwhile sandboxes start cold, and starting one does not try again.
     sb = await start(service)
     await settled(service)
-    assert sb.record.origin is None and pool.templates == {}
+    assert drv.restored == 0 and pool.templates == {}  # cold: no restore of anything
     assert caplog.text.count("could not make a template") == 1
 
     # A second failure waits twice as long.
@@ -50,3 +50,44 @@ async def test_a_template_that_could_not_be_made_is_tried_again_after_a_wait(tmp
     assert pool.enabled("fake") and pool._retry == {}
     await service.manager.delete_all()
     assert not driver_of(service).live
+
+
+@run
+async def test_a_template_that_does_not_restore_is_made_anew_and_starts_go_cold_meanwhile(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, "sandgate")
+    clock = [1000.0]
+    monkeypatch.setattr(pool_module, "_clock", lambda: clock[0])
+    service = make(tmp_path, warm_start=True, pool_size=0)  # every start restores the template
+    pool, drv = service.manager.pool, driver_of(service)
+    pool.refill("fake")
+    await settled(service)
+    (old,) = pool.templates.values()
+    first = await start(service)
+    assert drv.restored == 1 and drv.created == 1  # the template's own boot, then a restore of it
+
+    # The template's image no longer restores: the start still succeeds, cold, and the template is forgotten.
+    drv.fail["restore"] = "the image is damaged"
+    second = await start(service)
+    await settled(service)
+    assert second.state.value == "running" and drv.created == 2 and drv.restored == 1
+    assert "cold: the warm-start template did not restore" in caplog.text
+    assert f"its template {old} did not restore: " in caplog.text and "a new one is made in 60 s" in caplog.text
+    assert pool.templates == {}
+    assert (tmp_path / "templates.json").read_text() == "{}"  # a restarted gateway forgets it too
+    third = await start(service)  # within the wait: cold, nothing else tried
+    await settled(service)
+    assert drv.created == 3 and drv.restored == 1 and pool.templates == {}
+
+    # After the wait, a new template is made and starts restore it again.
+    clock[0] += 61
+    pool.refill("fake")
+    await settled(service)
+    (new,) = pool.templates.values()
+    assert new != old
+    fourth = await start(service)
+    assert drv.restored == 2 and drv.created == 4
+    for sb in (first, second, third, fourth):
+        out = await service.execute(sb.id, "print(6 * 7)", 10)
+        assert out["stdout"] == "42\n", out
+    await service.manager.delete_all()
+    assert not drv.live

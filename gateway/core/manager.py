@@ -144,8 +144,18 @@ class SandboxManager:
                     if checkpoint:
                         how = f"from checkpoint {checkpoint.id}"
                         await sb.fill_workspace(checkpoint)
-                        await sb.boot_checkpoint(checkpoint.id)
-                        await sb.setup(env)
+                        try:
+                            await sb.boot_checkpoint(checkpoint.id)
+                        except Unavailable as e:
+                            if not self.pool.is_template(checkpoint.id):
+                                raise
+                            # A template that does not restore would fail every start: forget it
+                            # (a new one is made later) and start this one cold.
+                            self.pool.template_failed(driver, checkpoint.id, e)
+                            how, checkpoint = "cold: the warm-start template did not restore", None
+                            await sb.boot()
+                        else:
+                            await sb.setup(env)
                     else:
                         await sb.boot()
                     await sb.to(State.RUNNING)

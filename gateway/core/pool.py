@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..checkpoints import Checkpoint
 from ..state_chunks import read_manifest
+from .errors import Unavailable
 from .record import SandboxRecord
 from .sandbox import Sandbox
 from .states import State
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandgate.pool")
 
-# After a template could not be made (a full disk, say), warm start waits this long before the next
-# try, doubling each time it fails again up to the last; sandboxes start cold meanwhile.
+# After a template could not be made (a full disk, say) or did not restore, warm start waits this
+# long before the next try, doubling each time it fails again up to the last; sandboxes start cold
+# meanwhile.
 TEMPLATE_RETRY = (60.0, 3600.0)
 _clock = time.monotonic  # of those waits (a test moves it on)
 
@@ -115,21 +117,40 @@ class WarmPool:
                 await sb.to(State.RUNNING)
                 cp = await sb.checkpoint("template", resume=False)
             except Exception as e:
-                wait = min(max(TEMPLATE_RETRY[0], 2 * self._retry.get(driver, (0.0, 0.0))[1]), TEMPLATE_RETRY[1])
-                self._retry[driver] = (_clock() + wait, wait)
                 log.warning("warm start off for %s: could not make a template: %s; trying again in %.0f s",
-                            driver, e, wait)
+                            driver, e, self._wait(driver))
                 return None
             finally:
                 await sb.teardown()
                 await sb.ws.delete()
             self._retry.pop(driver, None)
             self.templates[key] = cp.id
-            tmp = self._file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.templates))
-            os.replace(tmp, self._file)
+            self._save()
             log.info("template checkpoint %s made for %s in %.1f s", cp.id, driver, time.monotonic() - t0)
             return cp
+
+    def _wait(self, driver: str) -> float:
+        """Warm start off for ``driver`` for a while (sandboxes start cold): 60 s after a first
+        failure, twice as long after each next one, up to an hour. Returns the wait."""
+        wait = min(max(TEMPLATE_RETRY[0], 2 * self._retry.get(driver, (0.0, 0.0))[1]), TEMPLATE_RETRY[1])
+        self._retry[driver] = (_clock() + wait, wait)
+        return wait
+
+    def _save(self) -> None:
+        tmp = self._file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.templates))
+        os.replace(tmp, self._file)
+
+    def template_failed(self, driver: str, cid: str, why: Exception) -> None:
+        """Template ``cid`` did not restore (a damaged image, a runsc that no longer reads it, or
+        the host short of something): kept, it could fail every start. It is forgotten, collected
+        with the other unused checkpoints, and a new one made after the wait (``_wait``)."""
+        key = self._key(driver)
+        if self.templates.get(key) == cid:
+            del self.templates[key]
+            self._save()
+        log.warning("warm start off for %s: its template %s did not restore: %s; a new one is made in %.0f s",
+                    driver, cid, why, self._wait(driver))
 
     def take(self, driver: str) -> Optional[Sandbox]:
         pool = self.ready.get(driver, [])
@@ -157,8 +178,11 @@ class WarmPool:
                 try:
                     await sb.fill_workspace(cp)
                     await sb.boot_checkpoint(cp.id)
-                except BaseException:  # failed, or the gateway is closing: nothing left behind
+                except BaseException as e:  # failed, or the gateway is closing: nothing left behind
                     await asyncio.shield(self._discard(sb))
+                    if isinstance(e, Unavailable):
+                        self.template_failed(driver, cp.id, e)
+                        return
                     raise
                 await sb.to(State.RUNNING)
                 pool.append(sb)
