@@ -210,6 +210,31 @@ def test_a_template_stored_in_the_old_chunk_format_is_made_anew(home, tmp_path):
         g2.stop()
 
 
+def test_a_template_that_does_not_restore_is_forgotten_and_the_start_goes_on_cold(home, tmp_path):
+    import json
+
+    g = Gateway(home, tmp_path, env={"SANDGATE_POOL_SIZE": "0"})  # every start restores the template
+    templates = g.home / "templates.json"
+    try:
+        wait_for(templates.is_file, timeout=300)
+        cid = next(iter(json.loads(templates.read_text()).values()))
+        without_kept_image(g, cid)
+        keys = list(json_keys(g, cid))
+        chunk = g.home / "checkpoints" / "chunks" / keys[0][:2] / keys[0]
+        chunk.write_bytes(b"not what was stored")
+        r = g.request("POST", "/api/sandboxes", {})
+        assert r.status == 201, r.body
+        sid = r.json()["id"]
+        assert ex(g, sid, "print(1 + 1)").stdout == "2\n"
+        log = g.log_text()
+        assert f"warm start off for gvisor: its template {cid} did not restore: " in log
+        assert f"sandbox {sid} started (gvisor, " in log and "cold: the warm-start template did not restore)" in log
+        assert json.loads(templates.read_text()) == {}
+        g.request("DELETE", f"/api/sandboxes/{sid}")
+    finally:
+        g.stop()
+
+
 def json_keys(gw, cid):
     from sandgate.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
