@@ -74,6 +74,8 @@ async def test_a_template_that_does_not_restore_is_made_anew_and_starts_go_cold_
     assert f"its template {old} did not restore: " in caplog.text and "a new one is made in 60 s" in caplog.text
     assert pool.templates == {}
     assert (tmp_path / "templates.json").read_text() == "{}"  # a restarted gateway forgets it too
+    pool.template_failed("fake", old, Exception("met by a second start at once"))  # one wait, not two
+    assert caplog.text.count(f"its template {old} did not restore") == 1 and pool._retry["fake"][1] == 60
     third = await start(service)  # within the wait: cold, nothing else tried
     await settled(service)
     assert drv.created == 3 and drv.restored == 1 and pool.templates == {}

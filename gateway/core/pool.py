@@ -146,9 +146,10 @@ class WarmPool:
         the host short of something): kept, it could fail every start. It is forgotten, collected
         with the other unused checkpoints, and a new one made after the wait (``_wait``)."""
         key = self._key(driver)
-        if self.templates.get(key) == cid:
-            del self.templates[key]
-            self._save()
+        if self.templates.get(key) != cid:
+            return  # forgotten already: another start met it first (one wait, not two)
+        del self.templates[key]
+        self._save()
         log.warning("warm start off for %s: its template %s did not restore: %s; a new one is made in %.0f s",
                     driver, cid, why, self._wait(driver))
 
