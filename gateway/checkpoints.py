@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import errno
 import hashlib
@@ -351,8 +352,8 @@ class CheckpointStore:
         # less than this free (a checkpoint refused for want of space would cost more than a fork's time).
         self.keep_free = KEEP_FREE
         self._ahead: Set[str] = set()  # cids whose image is being assembled ahead: a restore waits for it
-        self._in_use: Dict[str, int] = {}  # cid -> restores reading its kept image now: never evicted
-        self._queue: List[Tuple[str, Set[str], asyncio.Future]] = []  # assemble_ahead's, in order
+        self._in_use: collections.Counter = collections.Counter()  # cid -> restores reading its kept image now
+        self._queue: collections.deque = collections.deque()  # assemble_ahead's (cid, protect, done), in order
         self._runner: Optional[asyncio.Future] = None
 
     # -- records -----------------------------------------------------------
@@ -468,7 +469,7 @@ class CheckpointStore:
                         if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                             raise
                     if use:
-                        self._in_use[cid] = self._in_use.get(cid, 0) + 1
+                        self._in_use[cid] += 1
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return kept, False
@@ -480,7 +481,7 @@ class CheckpointStore:
             if not kept.is_dir():
                 return False
             if use:
-                self._in_use[cid] = self._in_use.get(cid, 0) + 1
+                self._in_use[cid] += 1
         if use:
             with contextlib.suppress(OSError):
                 os.utime(kept)
@@ -488,9 +489,9 @@ class CheckpointStore:
 
     def _release(self, cid: str) -> None:
         with self._lock:
-            n = self._in_use.pop(cid, 1) - 1
-            if n > 0:
-                self._in_use[cid] = n
+            self._in_use[cid] -= 1
+            if self._in_use[cid] <= 0:
+                del self._in_use[cid]
 
     def _kept_or_coming(self, cid: str) -> bool:
         """Whether a restore of ``cid`` should read its kept image: there, or being assembled ahead."""
@@ -519,7 +520,7 @@ class CheckpointStore:
 
     async def _run_ahead(self) -> None:
         while self._queue:
-            cid, protect, done = self._queue.pop(0)
+            cid, protect, done = self._queue.popleft()
             try:
                 await asyncio.to_thread(self._assemble_ahead, cid, protect)
             finally:
