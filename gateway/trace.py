@@ -5,10 +5,12 @@ is one attribute test. The gateway stamps a client's request when its
 websocket frame arrives (``gw_ws_in``) and when it is written to the agent's
 stream (``gw_out``) and sends both along in the kernel frame's ``trace``
 field; a traced frame makes the agent stamp too: when its stdin thread read
-the request (``ag_read``), when the event loop had it (``ag_in``), when it was
-on the kernel's ZMQ socket (``ag_zmq``); and for each message from the kernel,
-when it came off ZMQ (``ag_recv``) and when it went to the stream
-(``ag_out``), together with the stamps of the request it answers. The gateway
+the request (``ag_read``), when the event loop had it (``ag_in``; when the
+stdin thread sends a shell request itself, ShellFastPath, when that thread
+had it parsed), when it was on the way to the kernel (``ag_zmq``: its pipe, or
+a ZMQ socket; the name is older than the pipe); and for each message from the
+kernel, when the agent had read it (``ag_recv``) and when it went to the
+stream (``ag_out``), together with the stamps of the request it answers. The gateway
 adds when it read that frame (``gw_in``) and when it had written it to the
 websockets (``gw_sent``), and logs one line per message on the
 ``sandgate.trace`` logger: every stamp in ms since ``gw_ws_in``, plus ``k``,

@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import posixpath
+import select
 import signal
 import socket
 import stat
@@ -41,9 +42,11 @@ import zmq
 import zmq.asyncio
 
 try:
+    from . import kernel_pipe as KP
     from . import protocol as P
     from . import tunnel as T
 except ImportError:  # run as a script
+    import kernel_pipe as KP  # type: ignore
     import protocol as P  # type: ignore
     import tunnel as T  # type: ignore
 
@@ -134,18 +137,24 @@ class Outbox:
         self.dropped_bytes = 0
 
     async def send(self, data: bytes) -> None:
+        await self.send_all([data])
+
+    async def send_all(self, frames: list[bytes]) -> None:
+        """Frames in one write: each write to the stream wakes the shim and the
+        gateway on the host, and costs the sandbox a trip through the Sentry."""
         w = self.writer
         if w is not None and getattr(w, "is_closing", lambda: False)():
             w = self.writer = None  # asyncio swallows write errors on a dead socket
         if w is not None:
             try:
-                w.write(data)
+                w.write(frames[0] if len(frames) == 1 else b"".join(frames))
                 await w.drain()
                 return
             except (ConnectionError, OSError):
                 self.writer = None
                 log("stream lost; buffering")
-        self._keep(data)
+        for data in frames:
+            self._keep(data)
 
     def _keep(self, data: bytes) -> None:
         # Past the bound, newer frames are dropped: the buffered prefix stays
@@ -299,7 +308,9 @@ class KernelSession:
 
 
 class KernelProcess:
-    """One ipykernel process and the agent's sockets to it."""
+    """One ipykernel process and the agent's sockets to it: ZMQ for control,
+    stdin and the heartbeat; shell and IOPub over a pipe (kernel_pipe.py)
+    when the kernel is the agent's own and says it took it, else ZMQ too."""
 
     def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None, user: int | None = None):
         self.user = user
@@ -310,6 +321,15 @@ class KernelProcess:
         self.ctx = zmq.asyncio.Context()
         self.proc: asyncio.subprocess.Process | None = None
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.ident = b""
+        # The pipe to this kernel process (None for a kernelspec's own argv),
+        # and whether the kernel said it carries shell and IOPub.
+        self.pipe: socket.socket | None = None
+        self.on_pipe = False
+        # Set when the stdin thread writes to the pipe too (ShellFastPath):
+        # then every write takes it, and the event loop's go through a worker
+        # thread, so the loop never waits on a lock the stdin thread holds.
+        self.pipe_lock: threading.Lock | None = None
         self.conn_file = os.path.join(runtime_dir, "kernel.json")
         os.makedirs(runtime_dir, exist_ok=True)
         ports = {f"{name}_port": port for name, port in IPC_PORTS.items()}
@@ -329,8 +349,11 @@ class KernelProcess:
         new identity: the kernel's ROUTER refuses a second peer with the old one."""
         for s in self.sockets.values():
             s.close(linger=0)
-        ident = uuid.uuid4().hex.encode()
+        ident = self.ident = uuid.uuid4().hex.encode()
+        self.sockets = {}
         for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER), ("iopub", zmq.SUB)):
+            if self.on_pipe and name in ("shell", "iopub"):
+                continue  # the kernel binds no IOPub socket then: a SUB would retry its connect forever
             s = self.ctx.socket(kind)
             s.linger = 0
             if kind == zmq.SUB:
@@ -343,14 +366,56 @@ class KernelProcess:
             self.sockets[name] = s
 
     async def spawn(self) -> None:
-        argv = self.argv or [sys.executable, "-m", "sandgate_agent.kernel"]
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, "-f", self.conn_file, cwd=self.workspace,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
-            start_new_session=True, **as_user(self.user))
+        self.close_pipe()
+        argv, env, fds, kernel_end = self.argv, None, (), None
+        if argv is None:  # the agent's own kernel: offer it the pipe
+            argv = [sys.executable, "-m", "sandgate_agent.kernel"]
+            self.pipe, kernel_end = KP.pair()
+            self.pipe.setblocking(False)
+            env, fds = {**os.environ, KP.ENV: str(kernel_end.fileno())}, (kernel_end.fileno(),)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, "-f", self.conn_file, cwd=self.workspace, env=env, pass_fds=fds,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
+                start_new_session=True, **as_user(self.user))
+        finally:
+            if kernel_end is not None:
+                kernel_end.close()
+
+    def pipe_frame(self, sig: bytes, parts: list[bytes]) -> bytes:
+        # The shell identity goes first, as a ROUTER would add it: the kernel
+        # sends input_request on stdin (ZMQ) to that identity.
+        return KP.encode(KP.SHELL, [self.ident, DELIM, sig, *parts])
+
+    def send_blocking(self, data: bytes) -> None:
+        """A whole frame on the (non-blocking) pipe, waiting while it is full;
+        for threads other than the event loop's."""
+        pipe, view = self.pipe, memoryview(data)
+        with self.pipe_lock:
+            while view:
+                try:
+                    view = view[pipe.send(view):]
+                except BlockingIOError:
+                    select.select([], [pipe], [])
+
+    def close_pipe(self) -> None:
+        if self.pipe is not None:
+            # Not under a write: the stdin thread's ends once the kernel is
+            # gone (it is killed before a new one is spawned).
+            with self.pipe_lock or contextlib.nullcontext():
+                self.pipe.close()
+        self.pipe, self.on_pipe = None, False
 
     async def send(self, channel: str, parts: list[bytes]) -> None:
         sig = self.session.sign(parts[:4])
+        if channel == "shell" and self.on_pipe:
+            loop = asyncio.get_running_loop()
+            data = self.pipe_frame(sig, parts)
+            if self.pipe_lock is not None:
+                await loop.run_in_executor(None, self.send_blocking, data)
+            else:
+                await loop.sock_sendall(self.pipe, data)
+            return
         await self.sockets[channel].send_multipart([DELIM, sig, *parts])
 
     async def kill(self) -> None:
@@ -672,6 +737,8 @@ class Agent:
         self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
         self.deaths: collections.deque[float] = collections.deque(maxlen=5)
         self.pumps: list[asyncio.Future] = []
+        self.pipe_pump: asyncio.Future | None = None
+        self.fast: ShellFastPath | None = None  # stdio only
         self.malformed, self.malformed_logged = 0, 0.0  # messages from the kernel dropped, not yet logged
         self.restored_at = b""  # the host's clock sent with the last reconnect
         # Opt-in spans (gateway/trace.py): on while the gateway's kernel frames
@@ -686,7 +753,7 @@ class Agent:
         for t in self.pumps:
             t.cancel()
         self.kernel.connect()
-        self.pumps = [asyncio.ensure_future(self.pump(ch)) for ch in ("shell", "control", "stdin", "iopub")]
+        self.pumps = [asyncio.ensure_future(self.pump(ch)) for ch in self.kernel.sockets]
         for t in self.pumps:
             t.add_done_callback(self.pump_ended)
 
@@ -701,9 +768,22 @@ class Agent:
         sockets and pumps: whatever the last kernel left on the old ones, and
         whatever became of their pumps, the new kernel starts clean."""
         self.connect_kernel()
+        if self.pipe_pump is not None:
+            self.pipe_pump.cancel()
         await self.kernel.spawn()
+        hello = None
+        if self.kernel.pipe is not None:
+            hello = asyncio.get_running_loop().create_future()
+            self.pipe_pump = asyncio.ensure_future(self.pump_pipe(self.kernel.pipe, hello))
+            self.pipe_pump.add_done_callback(self.pump_ended)
         asyncio.ensure_future(self.watch(self.kernel.proc))
         info = await self.kernel_info()
+        if hello is not None:
+            # The kernel says which way its shell goes before it opens any
+            # socket, so this has long arrived unless the kernel is gone.
+            self.kernel.on_pipe = await asyncio.wait_for(hello, 30) == b"pipe"
+            if self.kernel.on_pipe:
+                self.connect_kernel()  # control and stdin only, from now on
         self.ready.set()
         return {"pid": self.kernel.proc.pid, "language_info": info.get("language_info", {})}
 
@@ -763,20 +843,65 @@ class Agent:
         sock = self.kernel.sockets[channel]
         while True:
             msg = await sock.recv_multipart()
-            try:
-                frame = self.from_kernel(channel, msg, time.time() if TRACE.on else None)
-            except Exception as e:
-                # Code in the kernel can send anything on these sockets (it
-                # holds the connection file): a message that is not a Jupyter
-                # message is dropped, and the pump goes on.
-                self.malformed += 1
-                if time.monotonic() - self.malformed_logged >= 1:  # at most a line a second
-                    log(f"dropped {self.malformed} malformed message(s) from the kernel, the last on {channel}: "
-                        f"{type(e).__name__}: {e}"[:300])
-                    self.malformed, self.malformed_logged = 0, time.monotonic()
-                continue
-            if frame is not None:
-                await self.out.send(frame)
+            await self.forward(channel, msg, time.time() if TRACE.on else None)
+
+    async def pump_pipe(self, pipe: socket.socket, hello: asyncio.Future) -> None:
+        """Shell and IOPub from the kernel over its pipe, in the order it sent
+        them; whatever one read brings goes to the gateway in one write."""
+        loop = asyncio.get_running_loop()
+        decoder = KP.Decoder(cap=P.MAX_PAYLOAD + (1 << 20))
+        try:
+            while True:
+                try:
+                    data = await loop.sock_recv(pipe, KP.READ_SIZE)
+                except OSError:
+                    data = b""
+                if not data:
+                    return  # the kernel is gone (watch() says so), or it took ZMQ and closed its end
+                received = time.time() if TRACE.on else None
+                batch = []
+                for channel, parts in decoder.feed(data):
+                    if channel == KP.HELLO and isinstance(parts, list):
+                        if not hello.done():
+                            hello.set_result(parts[0] if parts else b"")
+                    elif channel not in KP.CHANNELS:
+                        self.count_malformed("pipe", ValueError(f"unknown channel {channel}"))
+                    elif isinstance(parts, KP.PipeError):
+                        self.count_malformed(KP.CHANNELS[channel], parts)
+                    elif parts is None:
+                        log(f"dropping a {KP.CHANNELS[channel]} message bigger than a frame")
+                        self.out.dropped += 1
+                    else:
+                        frame = self.forward_frame(KP.CHANNELS[channel], parts, received)
+                        if frame is not None:
+                            batch.append(frame)
+                if batch:
+                    await self.out.send_all(batch)
+        finally:
+            if not hello.done():
+                hello.set_result(b"")
+
+    async def forward(self, channel: str, msg: list[bytes], received: float | None) -> None:
+        frame = self.forward_frame(channel, msg, received)
+        if frame is not None:
+            await self.out.send(frame)
+
+    def forward_frame(self, channel: str, msg: list[bytes], received: float | None) -> bytes | None:
+        try:
+            return self.from_kernel(channel, msg, received)
+        except Exception as e:
+            # Code in the kernel can send anything on these sockets (it holds
+            # the connection file and the pipe): a message that is not a
+            # Jupyter message is dropped, and the pump goes on.
+            self.count_malformed(channel, e)
+            return None
+
+    def count_malformed(self, channel: str, e: Exception) -> None:
+        self.malformed += 1
+        if time.monotonic() - self.malformed_logged >= 1:  # at most a line a second
+            log(f"dropped {self.malformed} malformed message(s) from the kernel, the last on {channel}: "
+                f"{type(e).__name__}: {e}"[:300])
+            self.malformed, self.malformed_logged = 0, time.monotonic()
 
     def from_kernel(self, channel: str, msg: list[bytes], received: float | None = None) -> bytes | None:
         """The frame to forward for one message from the kernel, or None when
@@ -830,7 +955,11 @@ class Agent:
                     parts = P.split_parts(frame, payload)
                     TRACE.on = frame.trace is not None
                     stamps = self.trace_in(frame, parts) if TRACE.on else None
-                    await self.kernel.send(frame.channel, parts)
+                    try:
+                        await self.kernel.send(frame.channel, parts)
+                    finally:
+                        if self.fast is not None and frame.channel == "shell":
+                            self.fast.sent_one()
                     if stamps is not None:
                         stamps["ag_zmq"] = time.time()
                 elif isinstance(frame, P.RequestFrame):
@@ -846,13 +975,13 @@ class Agent:
             # Tunnelled connections live on one stream: the next gateway knows none of them.
             await self.egress.mux.close_all("the gateway's stream ended", tell_peer=False)
 
-    def trace_in(self, frame: P.KernelFrame, parts: list[bytes]) -> dict | None:
+    def trace_in(self, frame: P.KernelFrame, parts: list[bytes], read_at: float | None = None) -> dict | None:
         """The stamps of a traced request, kept for the messages answering it."""
         try:
             msg_id = json.loads(parts[0])["msg_id"]
         except (ValueError, KeyError, TypeError):
             return None
-        stamps = {**frame.trace, "ag_read": TRACE.read_at, "ag_in": time.time()}
+        stamps = {**frame.trace, "ag_read": read_at or TRACE.read_at, "ag_in": time.time()}
         self.traced[msg_id] = stamps
         while len(self.traced) > 64:
             self.traced.popitem(last=False)
@@ -876,6 +1005,7 @@ class Agent:
         return {"kernel_alive": alive, "kernel_responding": alive and await self.kernel.heartbeat(),
                 "pid": self.kernel.proc.pid if self.kernel.proc else None,
                 "buffered": len(self.out.buffer), "agent_version": P.VERSION,
+                "kernel_transport": "pipe" if self.kernel.on_pipe else "zmq",
                 "tunnels": len(self.egress.mux.conns), "egress_port": self.egress.port if self.egress.server else None}, b""
 
     async def op_reconnect(self, a, _):
@@ -1023,6 +1153,121 @@ class Agent:
                 "truncated": truncated}, out + err
 
 
+class ShellFastPath:
+    """Shell requests from the gateway written to the kernel's pipe by the
+    stdin thread itself. Handing each to the event loop costs a self-pipe
+    write, an epoll wake-up and a GIL hand-off: ~1 ms of a cell's round trip
+    in a gVisor sandbox (docs/performance.md).
+
+    A frame goes straight to the kernel only when it is a shell message of at
+    most SMALL bytes, the kernel is ready and on its pipe, and no shell frame
+    handed to the loop earlier is still unsent (so shell requests keep their
+    order). Everything else goes to the loop as before, in stream order; a
+    frame that is not whole yet waits here unless it goes to the loop, which
+    gets its bytes as they come (a file write is never held twice). After
+    anything that does not parse, the rest of the stream goes to the loop,
+    which ends the connection as it would have."""
+
+    SMALL = 1 << 20
+
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+        self.buf = bytearray()
+        self.forward_left = 0  # bytes of a frame going to the loop still to come
+        self.passthrough = False
+        self.handed = 0  # shell frames handed to the loop, not yet sent by it
+        self.out: list[bytes] = []  # what take() has for the loop so far
+        self.count_lock = threading.Lock()
+        agent.kernel.pipe_lock = threading.Lock()
+
+    def sent_one(self) -> None:
+        with self.count_lock:
+            self.handed -= 1
+
+    def take(self, data: bytes, read_at: float) -> bytes:
+        """Of what the stdin thread read, the bytes the event loop must see."""
+        if self.passthrough:
+            return data
+        self.out = out = []
+        if self.forward_left:
+            n = min(self.forward_left, len(data))
+            out.append(data[:n])
+            self.forward_left -= n
+            data = data[n:]
+        self.buf += data
+        buf = self.buf
+        while len(buf) >= P.PREFIX.size:
+            hlen, plen = P.PREFIX.unpack_from(buf)
+            start = P.PREFIX.size + hlen
+            if hlen > P.MAX_HEADER or plen > P.MAX_PAYLOAD:
+                self.passthrough = True
+                break
+            if len(buf) < start:
+                break
+            try:
+                frame = P.parse_header(bytes(buf[P.PREFIX.size:start]))
+            except P.ProtocolError:
+                self.passthrough = True
+                break
+            end = start + plen
+            shell = isinstance(frame, P.KernelFrame) and frame.channel == "shell"
+            if shell and plen <= self.SMALL:
+                if len(buf) < end:
+                    break
+                if not self.direct(frame, bytes(buf[start:end]), read_at):
+                    out.append(bytes(buf[:end]))
+                del buf[:end]
+                continue
+            if shell:
+                with self.count_lock:
+                    self.handed += 1
+            n = min(end, len(buf))
+            out.append(bytes(buf[:n]))
+            del buf[:n]
+            self.forward_left = end - n
+            if self.forward_left:
+                break
+        if self.passthrough:
+            out.append(bytes(buf))
+            buf.clear()
+        self.out = []
+        return b"".join(out)
+
+    def give_up(self) -> bytes:
+        """After a failure inside take: what it had not yet handed on, and
+        the loop sees everything from now on."""
+        self.passthrough = True
+        rest = b"".join(self.out) + bytes(self.buf)
+        self.out, self.buf = [], bytearray()
+        return rest
+
+    def direct(self, frame: P.KernelFrame, payload: bytes, read_at: float) -> bool:
+        a, k = self.agent, self.agent.kernel
+        with self.count_lock:
+            go = a.ready.is_set() and k.on_pipe and not self.handed
+            if not go:
+                self.handed += 1
+        if not go:
+            return False
+        try:
+            parts = P.split_parts(frame, payload)
+        except P.ProtocolError:
+            with self.count_lock:
+                self.handed += 1
+            return False  # the loop says so and ends the connection
+        TRACE.on = frame.trace is not None
+        stamps = a.trace_in(frame, parts, read_at) if TRACE.on else None
+        try:
+            k.send_blocking(k.pipe_frame(k.session.sign(parts[:4]), parts))
+        except (OSError, ValueError):  # a kernel restarting under it: the loop sends it once one is ready
+            with self.count_lock:
+                self.handed += 1
+            return False
+        if stamps is not None:
+            stamps["ag_zmq"] = time.time()
+        return True
+
+
 class BlockingWriter:
     """Blocking writes to a pipe, with the StreamWriter calls Outbox uses.
 
@@ -1047,7 +1292,7 @@ class BlockingWriter:
         os.close(self.fd)
 
 
-async def stdio_streams():
+async def stdio_streams(fast: ShellFastPath | None = None):
     loop = asyncio.get_running_loop()
     # Keep the real stdout for frames only; anything else printed goes to stderr.
     out_fd = os.dup(1)
@@ -1064,8 +1309,17 @@ async def stdio_streams():
             if not data:
                 loop.call_soon_threadsafe(reader.feed_eof)
                 return
+            read_at = time.time()
             if TRACE.on:
-                TRACE.read_at = time.time()
+                TRACE.read_at = read_at
+            if fast is not None:
+                try:
+                    data = fast.take(data, read_at)
+                except Exception as e:  # never lose the stream over the fast path
+                    log(f"shell fast path failed, handing the stream to the loop: {type(e).__name__}: {e}")
+                    data = fast.give_up()
+                if not data:
+                    continue
             loop.call_soon_threadsafe(reader.feed_data, data)
 
     threading.Thread(target=pump_stdin, name="stdin", daemon=True).start()
@@ -1082,7 +1336,8 @@ async def main_async(args: argparse.Namespace) -> None:
     ready = P.encode(P.EventFrame(event="ready", data=info))
     kind, _, where = args.transport.partition(":")
     if kind == "stdio":
-        reader, writer = await stdio_streams()
+        agent.fast = ShellFastPath(agent)
+        reader, writer = await stdio_streams(agent.fast)
         writer.write(ready)
         why = await agent.serve(reader, writer)
         log(f"{why}; stopping")

@@ -17,10 +17,20 @@ platform is mostly system calls and thread wake-ups (docs/performance.md):
   (``_direct_iopub``);
 * IPython's history stays in memory (no SQLite writes on every cell).
 
-The transport itself is ipc (unix sockets), chosen by the connection file.
+The transport: shell and IOPub over one unix socketpair with the agent when
+the agent hands one over (``kernel_pipe.py``, ``_pipe_app``), and only with an
+ipykernel 6 whose internals are the ones patched; everything else (control,
+stdin, heartbeat; shell and IOPub on any other ipykernel) over ipc ZMQ, as
+the connection file says.
 """
 
+import os
 import sys
+
+try:
+    from . import kernel_pipe as KP
+except ImportError:  # run as a script
+    import kernel_pipe as KP  # type: ignore
 
 
 def _die_with_agent() -> None:
@@ -104,9 +114,14 @@ def _direct_iopub() -> None:
     made). The main thread now sends itself when the IOPub thread has
     nothing queued and is not running anything: then no message made
     earlier can still be waiting there, so the order on IOPub is the one
-    the kernel made them in. A lock keeps the two threads from using the
-    socket at once. Other threads (output of the user's threads, forked
-    children) keep the queue."""
+    the kernel made them in. The IOPub thread sends its own messages (stdout
+    and stderr it flushes) at once instead of queueing them behind itself for
+    another round: it runs its events in order, so nothing queued earlier is
+    still waiting, and a flush from the main thread, which waits for its
+    event, returns with the output sent; over the agent's pipe (one stream
+    for shell and IOPub) a cell's output then always comes before its reply.
+    A lock keeps the threads from using the socket at once. Other threads
+    (output of the user's threads, forked children) keep the queue."""
     import os
     import threading
 
@@ -132,8 +147,9 @@ def _direct_iopub() -> None:
             really_send(self, *args, **kwargs)
 
     def send_multipart(self, *args, **kwargs):
-        if (threading.current_thread() is main_thread and not self._events
-                and not getattr(self, "_sandgate_running", False) and self._is_master_process()):
+        here = threading.current_thread()
+        if here is self.thread or (here is main_thread and not self._events
+                                   and not getattr(self, "_sandgate_running", False) and self._is_master_process()):
             with state["lock"]:
                 really_send(self, *args, **kwargs)
         else:
@@ -142,8 +158,174 @@ def _direct_iopub() -> None:
     pub._handle_event, pub._really_send, pub.send_multipart = _handle_event, _really_send, send_multipart
 
 
+# The ipykernel versions the pipe has been run against (Debian 12's); any other
+# stays on ZMQ rather than risk internals that moved.
+PIPE_IPYKERNELS = {(6, 17)}
+
+
+def _cache_getpid() -> None:
+    """``os.getpid`` answered from memory. Every call is a system call (~0.04 ms
+    under ptrace) and ipykernel and jupyter_client make ~20 per cell (a message
+    id, a fork check per send, the IOPub thread's fork check, the compiler's
+    temporary directory, each log record). A process's pid changes only across
+    a fork: the cache is dropped before every ``os.fork`` and refilled on the
+    next call, in parent and child alike, so at-fork handlers registered
+    before this one see the right pid too. (A C extension that forks behind
+    Python's back without PyOS_AfterFork_Child would see its parent's pid.)"""
+    real = os.getpid
+    cache = [real()]
+
+    def getpid() -> int:
+        pid = cache[0]
+        if pid is None:
+            pid = cache[0] = real()
+        return pid
+
+    getpid.__doc__ = real.__doc__
+    os.register_at_fork(before=lambda: cache.__setitem__(0, None))
+    os.getpid = getpid
+
+
+def _pipe_app(end: "KP.KernelEnd"):
+    """An IPKernelApp whose shell and IOPub go over the agent's pipe, or None
+    when this ipykernel is not the one this was written against (6.x with a
+    ZMQStream shell and an IOPubThread); then the kernel stays on ZMQ.
+
+    Shell: the kernel's ``shell_stream`` becomes a stand-in for a ZMQStream
+    (traitlets checks the class) that reads requests from the pipe on the
+    kernel's event loop and writes replies to it. IOPub: the IOPub thread's
+    PUB socket becomes the pipe, so stdout batching, the direct sends from the
+    main thread (``_direct_iopub``) and output of the user's threads work as
+    before. The shell ROUTER is still bound (ipykernel's debugger wiring
+    expects it) but nothing is sent to it."""
+    import ipykernel
+    import zmq
+    from ipykernel.iostream import IOPubThread
+    from ipykernel.kernelapp import IPKernelApp
+    from ipykernel.kernelbase import Kernel
+    from tornado.ioloop import IOLoop
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    trait = Kernel.class_traits().get("shell_stream")
+    if tuple(ipykernel.version_info[:2]) not in PIPE_IPYKERNELS or getattr(trait, "klass", None) is not ZMQStream:
+        return None
+
+    class PipeSocket:
+        """IOPub's socket, as the IOPub thread uses it."""
+
+        def __init__(self, context):
+            self.context = context  # the IOPub thread makes its inproc event pipe from it
+
+        def send_multipart(self, msg, *args, **kwargs):
+            end.send(KP.IOPUB, msg)
+
+        def close(self, linger=None):
+            pass
+
+    class PipeStream(ZMQStream):
+        """The shell stream. Not a ZMQStream's __init__: there is no socket."""
+
+        def __init__(self, io_loop):
+            self.io_loop = io_loop
+            self.socket = None
+            self.end = end
+            self._recv_callback = None
+            self._decoder = KP.Decoder()
+            self._eof = False
+            self._watching = False
+
+        def on_recv(self, callback, copy=True):
+            self._recv_callback = callback
+            if callback is not None and not self._watching:
+                self._watching = True
+                self.io_loop.add_handler(end.fileno(), self._readable, IOLoop.READ)
+
+        def _readable(self, fd, events):
+            self._read_all()
+
+        def _read_all(self) -> int:
+            """Hand every complete request that has arrived to the kernel."""
+            n = 0
+            while not self._eof:
+                data = end.recv_ready()
+                if data is None:
+                    break
+                if not data:  # the agent is gone; the kernel dies with it (PR_SET_PDEATHSIG)
+                    self._eof = True
+                    self.io_loop.remove_handler(end.fileno())
+                    break
+                for channel, parts in self._decoder.feed(data):
+                    if channel == KP.SHELL and isinstance(parts, list) and self._recv_callback is not None:
+                        n += 1
+                        self._recv_callback([zmq.Frame(p) for p in parts])
+                if len(data) < KP.READ_SIZE:
+                    break
+            return n
+
+        def flush(self, flag=zmq.POLLIN | zmq.POLLOUT, limit=None):
+            # Sends are synchronous; a flush for POLLIN takes what has arrived.
+            return self._read_all() if flag & zmq.POLLIN else 0
+
+        def send_multipart(self, msg, flags=0, copy=True, track=False, callback=None, **kwargs):
+            end.send(KP.SHELL, msg)
+
+        def send(self, msg, flags=0, copy=True, track=False, callback=None, **kwargs):
+            end.send(KP.SHELL, [msg])
+
+        def receiving(self):
+            return self._recv_callback is not None
+
+        def sending(self):
+            return False
+
+        def closed(self):
+            return self._eof
+
+        def close(self, linger=None):
+            if self._watching and not self._eof:
+                self.io_loop.remove_handler(end.fileno())
+            self._eof = True
+
+    async def _flush_control_queue(self):
+        # ipykernel 6 wakes the control thread on every shell request to take
+        # control messages first (for the debugger, off here) and then does
+        # not even wait for it (the future it returns is dropped): two thread
+        # hand-offs per cell, 1-2 ms inside a sandbox. Control messages are
+        # handled on the control thread as they come, as before.
+        return None
+
+    Kernel._flush_control_queue = _flush_control_queue
+
+    class App(IPKernelApp):
+        def init_iopub(self, context):
+            self.iopub_socket = PipeSocket(context)
+            self.configure_tornado_logger()
+            self.iopub_thread = IOPubThread(self.iopub_socket, pipe=False)
+            self.iopub_thread.start()
+            self.iopub_socket = self.iopub_thread.background_socket
+
+        def init_kernel(self):
+            super().init_kernel()
+            # The ROUTER stays bound and its stream open, unused: closing it
+            # would leave ipykernel's debug DEALER reconnecting to it forever.
+            self._zmq_shell_stream = self.kernel.shell_stream
+            self._zmq_shell_stream.stop_on_recv()
+            self.kernel.shell_stream = PipeStream(self._zmq_shell_stream.io_loop)
+
+        def initialize(self, argv=None):
+            super().initialize(argv)
+            # traitlets leaves the logger at DEBUG and filters in the handler:
+            # ipykernel then makes four log records per cell that are never
+            # written (a stack walk and a getpid each).
+            self.log.setLevel(self.log_level)
+
+    return App
+
+
 def main() -> None:
     _die_with_agent()
+    end = KP.KernelEnd(int(os.environ.pop(KP.ENV))) if KP.ENV in os.environ else None
+    _cache_getpid()
     _patch()
     try:
         _skip_empty_flush()
@@ -161,10 +343,20 @@ def main() -> None:
     # on every cell, competing with the cell's own messages for the GIL and
     # the sandbox's CPU. What is lost is history across kernel restarts.
     sys.argv.append("--HistoryManager.hist_file=:memory:")
-    from ipykernel.kernelapp import launch_new_instance
-
     sys.argv[0] = "sandgate-kernel"
-    launch_new_instance()
+    app = None
+    if end is not None:
+        try:
+            app = _pipe_app(end)
+        except Exception:
+            app = None
+        # The agent waits for this before it sends anything to the shell.
+        end.send(KP.HELLO, [b"pipe" if app is not None else b"zmq"])
+        if app is None:
+            end.close()
+    if app is None:
+        from ipykernel.kernelapp import IPKernelApp as app
+    app.launch_instance()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,19 @@ def test_streams_errors_and_state(gateway, kernel):
     c.close()
 
 
+def test_a_cells_output_comes_before_its_reply(gateway, kernel):
+    """Shell and IOPub share the kernel's pipe to the agent, in the order the
+    kernel sent them, and a flush returns with its output sent: whatever the
+    cell printed reaches the client before the execute_reply, the last line too."""
+    c = gateway.connect(kernel)
+    for _ in range(5):
+        out = c.execute("import sys\nfor i in range(300): print(i)\nprint('last', file=sys.stderr)")
+        kinds = [m["msg_type"] for m in out["msgs"]]
+        assert "stream" not in kinds[kinds.index("execute_reply"):], kinds
+        assert out["stdout"] == "".join(f"{i}\n" for i in range(300)) and out["stderr"] == "last\n"
+    c.close()
+
+
 def test_matplotlib_png(gateway, kernel):
     c = gateway.connect(kernel)
     out = c.execute("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.show()")
