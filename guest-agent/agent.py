@@ -28,7 +28,6 @@ import hmac
 import json
 import os
 import posixpath
-import select
 import signal
 import socket
 import stat
@@ -324,12 +323,8 @@ class KernelProcess:
         self.ident = b""
         # The pipe to this kernel process (None for a kernelspec's own argv),
         # and whether the kernel said it carries shell and IOPub.
-        self.pipe: socket.socket | None = None
+        self.pipe: KP.AgentEnd | None = None
         self.on_pipe = False
-        # Set when the stdin thread writes to the pipe too (ShellFastPath):
-        # then every write takes it, and the event loop's go through a worker
-        # thread, so the loop never waits on a lock the stdin thread holds.
-        self.pipe_lock: threading.Lock | None = None
         self.conn_file = os.path.join(runtime_dir, "kernel.json")
         os.makedirs(runtime_dir, exist_ok=True)
         ports = {f"{name}_port": port for name, port in IPC_PORTS.items()}
@@ -370,8 +365,8 @@ class KernelProcess:
         argv, env, fds, kernel_end = self.argv, None, (), None
         if argv is None:  # the agent's own kernel: offer it the pipe
             argv = [sys.executable, "-m", "sandgate_agent.kernel"]
-            self.pipe, kernel_end = KP.pair()
-            self.pipe.setblocking(False)
+            agent_end, kernel_end = KP.pair()
+            self.pipe = KP.AgentEnd(agent_end, asyncio.get_running_loop())
             env, fds = {**os.environ, KP.ENV: str(kernel_end.fileno())}, (kernel_end.fileno(),)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -387,34 +382,21 @@ class KernelProcess:
         # sends input_request on stdin (ZMQ) to that identity.
         return KP.encode(KP.SHELL, [self.ident, DELIM, sig, *parts])
 
-    def send_blocking(self, data: bytes) -> None:
-        """A whole frame on the (non-blocking) pipe, waiting while it is full;
-        for threads other than the event loop's."""
-        pipe, view = self.pipe, memoryview(data)
-        with self.pipe_lock:
-            while view:
-                try:
-                    view = view[pipe.send(view):]
-                except BlockingIOError:
-                    select.select([], [pipe], [])
-
     def close_pipe(self) -> None:
         if self.pipe is not None:
-            # Not under a write: the stdin thread's ends once the kernel is
-            # gone (it is killed before a new one is spawned).
-            with self.pipe_lock or contextlib.nullcontext():
-                self.pipe.close()
+            self.pipe.close()
         self.pipe, self.on_pipe = None, False
 
     async def send(self, channel: str, parts: list[bytes]) -> None:
         sig = self.session.sign(parts[:4])
         if channel == "shell" and self.on_pipe:
-            loop = asyncio.get_running_loop()
-            data = self.pipe_frame(sig, parts)
-            if self.pipe_lock is not None:
-                await loop.run_in_executor(None, self.send_blocking, data)
-            else:
-                await loop.sock_sendall(self.pipe, data)
+            pipe = self.pipe
+            try:
+                pipe.write(self.pipe_frame(sig, parts))
+            except OSError as e:  # a kernel that died: watch() starts the next one
+                log(f"a shell message for a kernel that is gone was dropped: {e}")
+                return
+            await pipe.room()
             return
         await self.sockets[channel].send_multipart([DELIM, sig, *parts])
 
@@ -767,6 +749,7 @@ class Agent:
         """Start a kernel (first start, restart, after a crash) on new
         sockets and pumps: whatever the last kernel left on the old ones, and
         whatever became of their pumps, the new kernel starts clean."""
+        self.kernel.close_pipe()  # on ZMQ until the new kernel says otherwise
         self.connect_kernel()
         if self.pipe_pump is not None:
             self.pipe_pump.cancel()
@@ -774,7 +757,7 @@ class Agent:
         hello = None
         if self.kernel.pipe is not None:
             hello = asyncio.get_running_loop().create_future()
-            self.pipe_pump = asyncio.ensure_future(self.pump_pipe(self.kernel.pipe, hello))
+            self.pipe_pump = asyncio.ensure_future(self.pump_pipe(self.kernel.pipe.sock, hello))
             self.pipe_pump.add_done_callback(self.pump_ended)
         asyncio.ensure_future(self.watch(self.kernel.proc))
         info = await self.kernel_info()
@@ -1160,9 +1143,11 @@ class ShellFastPath:
     in a gVisor sandbox (docs/performance.md).
 
     A frame goes straight to the kernel only when it is a shell message of at
-    most SMALL bytes, the kernel is ready and on its pipe, and no shell frame
-    handed to the loop earlier is still unsent (so shell requests keep their
-    order). Everything else goes to the loop as before, in stream order; a
+    most SMALL bytes, the kernel is ready and on its pipe, the pipe's queue is
+    not full, and no shell frame handed to the loop earlier is still unsent
+    (so shell requests keep their order). Writing never blocks this thread
+    (KP.AgentEnd queues what the kernel has not read yet), so it always goes
+    back to reading the stream. Everything else goes to the loop as before, in stream order; a
     frame that is not whole yet waits here unless it goes to the loop, which
     gets its bytes as they come (a file write is never held twice). After
     anything that does not parse, the rest of the stream goes to the loop,
@@ -1178,7 +1163,6 @@ class ShellFastPath:
         self.handed = 0  # shell frames handed to the loop, not yet sent by it
         self.out: list[bytes] = []  # what take() has for the loop so far
         self.count_lock = threading.Lock()
-        agent.kernel.pipe_lock = threading.Lock()
 
     def sent_one(self) -> None:
         with self.count_lock:
@@ -1243,8 +1227,9 @@ class ShellFastPath:
 
     def direct(self, frame: P.KernelFrame, payload: bytes, read_at: float) -> bool:
         a, k = self.agent, self.agent.kernel
+        pipe = k.pipe
         with self.count_lock:
-            go = a.ready.is_set() and k.on_pipe and not self.handed
+            go = a.ready.is_set() and k.on_pipe and pipe is not None and not pipe.full and not self.handed
             if not go:
                 self.handed += 1
         if not go:
@@ -1258,8 +1243,8 @@ class ShellFastPath:
         TRACE.on = frame.trace is not None
         stamps = a.trace_in(frame, parts, read_at) if TRACE.on else None
         try:
-            k.send_blocking(k.pipe_frame(k.session.sign(parts[:4]), parts))
-        except (OSError, ValueError):  # a kernel restarting under it: the loop sends it once one is ready
+            pipe.write(k.pipe_frame(k.session.sign(parts[:4]), parts))
+        except OSError:  # a kernel restarting under it: the loop sends it once one is ready
             with self.count_lock:
                 self.handed += 1
             return False

@@ -182,7 +182,10 @@ def _cache_getpid() -> None:
         return pid
 
     getpid.__doc__ = real.__doc__
-    os.register_at_fork(before=lambda: cache.__setitem__(0, None))
+    # Dropped in the child too: between the before hooks and the fork another
+    # thread may run (os.fork takes the import lock) and refill it.
+    os.register_at_fork(before=lambda: cache.__setitem__(0, None),
+                        after_in_child=lambda: cache.__setitem__(0, None))
     os.getpid = getpid
 
 
@@ -202,6 +205,7 @@ def _pipe_app(end: "KP.KernelEnd"):
     import zmq
     from ipykernel.iostream import IOPubThread
     from ipykernel.kernelapp import IPKernelApp
+    from ipykernel import kernelbase
     from ipykernel.kernelbase import Kernel
     from tornado.ioloop import IOLoop
     from zmq.eventloop.zmqstream import ZMQStream
@@ -295,6 +299,9 @@ def _pipe_app(end: "KP.KernelEnd"):
         return None
 
     Kernel._flush_control_queue = _flush_control_queue
+    # ipykernel installs this for every request it handles; an interrupt that
+    # comes in the middle of a send on the pipe then waits for the frame's end.
+    kernelbase.default_int_handler = end.deferred_interrupt
 
     class App(IPKernelApp):
         def init_iopub(self, context):

@@ -6,7 +6,6 @@ sandboxes (stdio transport) every suite's cells take this path."""
 import asyncio
 import json
 import socket
-import threading
 import types
 
 import pytest
@@ -29,12 +28,12 @@ def request_frame(op="ping"):
 class Rig:
     """An agent as far as the fast path sees it, and the kernel's end of its pipe."""
 
-    def __init__(self, ready=True, on_pipe=True):
+    def __init__(self, ready=True, on_pipe=True, loop=None):
         agent_end, self.kernel_end = socket.socketpair()
-        agent_end.setblocking(False)
         self.kernel_end.settimeout(10)
+        self.loop = loop or asyncio.new_event_loop()  # runs only where a test needs the queue drained
         kernel = A.KernelProcess.__new__(A.KernelProcess)
-        kernel.pipe, kernel.on_pipe, kernel.ident = agent_end, on_pipe, b"ident"
+        kernel.pipe, kernel.on_pipe, kernel.ident = KP.AgentEnd(agent_end, self.loop), on_pipe, b"ident"
         kernel.session = A.KernelSession()
         self.ready = asyncio.Event()
         if ready:
@@ -51,7 +50,7 @@ class Rig:
 
     def close(self):
         self.kernel_end.close()
-        self.agent.kernel.pipe.close()
+        self.agent.kernel.pipe.sock.close()
 
 
 @pytest.fixture
@@ -132,24 +131,59 @@ def test_a_failure_inside_take_loses_no_bytes(rig, monkeypatch):
     assert rig.fast.take(shell, 0.0) == shell
 
 
-def test_a_full_pipe_blocks_the_stdin_thread_not_the_loop(rig):
-    """The kernel reads nothing: the stdin thread waits on the full pipe while
-    the loop's own shell write waits in a worker thread, and both go through,
-    whole, once the kernel reads."""
-    k = rig.agent.kernel
-    big, _ = kernel_frame("shell", "x" * 900_000)
-    writer = threading.Thread(target=lambda: [rig.fast.take(big, 0.0) for _ in range(6)])
-    writer.start()
+def test_a_kernel_that_reads_nothing_blocks_neither_the_stdin_thread_nor_the_loop():
+    """A long cell: the kernel reads no requests. The stdin thread's frames and
+    the loop's own queue behind what the pipe holds, neither waits, and all of
+    them reach the kernel whole and in order once it reads again."""
+    async def main():
+        r = Rig(loop=asyncio.get_running_loop())
+        big, _ = kernel_frame("shell", "x" * 900_000)
+        try:
+            for i in range(6):  # several MB: far more than the socket holds
+                assert r.fast.take(big, 0.0) == b""
+            assert r.agent.kernel.pipe.queued > 0
+            await asyncio.wait_for(r.agent.kernel.send("shell", kernel_frame("shell", "own", "own")[1]), 5)
+            got = await asyncio.get_running_loop().run_in_executor(None, r.kernel_got, 7)
+            assert [json.loads(parts[6])["code"][:3] for _, parts in got] == ["xxx"] * 6 + ["own"]
+            assert r.agent.kernel.pipe.queued == 0 and not r.agent.kernel.pipe.armed
+        finally:
+            r.close()
 
-    async def loop_side():
-        sent = asyncio.ensure_future(k.send("shell", kernel_frame("shell", "own", "own")[1]))
-        await asyncio.sleep(0)  # the loop stays free meanwhile
-        got = await asyncio.get_running_loop().run_in_executor(None, rig.kernel_got, 7)
-        await asyncio.wait_for(sent, 30)
-        return got
+    asyncio.run(main())
 
-    got = asyncio.run(loop_side())
-    writer.join(30)
-    assert not writer.is_alive()
-    codes = sorted(json.loads(parts[6])["code"][:3] for _, parts in got)
-    assert codes == ["own"] + ["xxx"] * 6
+
+def test_past_the_queues_limit_the_loop_waits_and_the_stdin_thread_hands_over(monkeypatch):
+    monkeypatch.setattr(KP.AgentEnd, "LIMIT", 1 << 20)
+
+    async def main():
+        r = Rig(loop=asyncio.get_running_loop())
+        big, _ = kernel_frame("shell", "x" * 900_000)
+        try:
+            pipe, sent_direct = r.agent.kernel.pipe, 0
+            while not pipe.full:
+                assert r.fast.take(big, 0.0) == b""
+                sent_direct += 1
+            assert r.fast.take(big, 0.0) == big and r.fast.handed == 1  # the loop sends it when there is room
+            sent = asyncio.ensure_future(r.agent.kernel.send("shell", kernel_frame("shell", "own", "own")[1]))
+            for _ in range(5):  # the loop runs on; the send stays parked until the kernel reads
+                await asyncio.sleep(0)
+            assert not sent.done()
+            got = await asyncio.get_running_loop().run_in_executor(None, r.kernel_got, sent_direct + 1)
+            await asyncio.wait_for(sent, 10)
+            assert [json.loads(parts[6])["code"][:3] for _, parts in got][-1] == "own"
+        finally:
+            r.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_after_the_kernel_is_gone_is_dropped_not_raised():
+    async def main():
+        r = Rig(loop=asyncio.get_running_loop())
+        r.kernel_end.close()
+        r.agent.kernel.pipe.close()
+        await r.agent.kernel.send("shell", kernel_frame("shell")[1])  # logged, no exception
+        shell, _ = kernel_frame("shell")
+        assert r.fast.take(shell, 0.0) == shell and r.fast.handed == 1
+
+    asyncio.run(main())

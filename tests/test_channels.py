@@ -85,6 +85,24 @@ def test_interrupt_infinite_loop(gateway, kernel):
     c.close()
 
 
+def test_interrupting_a_cell_that_floods_output_leaves_the_kernel_answering(gateway, kernel):
+    """An interrupt that lands while the kernel writes a message to the agent
+    must not cut it in two (the agent would lose its place in the pipe)."""
+    c = gateway.connect(kernel)
+    for _ in range(3):
+        result = {}
+        t = threading.Thread(target=lambda: result.update(c.execute(
+            "import sys\nwhile True:\n    sys.stdout.write('x' * 20000 + '\\n'); sys.stdout.flush()", timeout=60)))
+        t.start()
+        wait_for(lambda: gateway.request("GET", f"/api/kernels/{kernel}").json()["execution_state"] == "busy")
+        assert gateway.request("POST", f"/api/kernels/{kernel}/interrupt", {}).status == 204
+        t.join(60)
+        assert not t.is_alive()
+        assert result["errors"][0]["ename"] == "KeyboardInterrupt", result["reply"]
+        assert c.execute("1 + 1")["results"][0]["text/plain"] == "2"
+    c.close()
+
+
 def test_restart_clears_state(gateway):
     kid = gateway.start_kernel()
     try:

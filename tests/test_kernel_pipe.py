@@ -71,3 +71,35 @@ def test_the_kernels_end_is_inherited_and_the_agents_is_not():
     finally:
         agent.close()
         kernel.close()
+
+
+def test_an_interrupt_in_a_main_thread_send_waits_for_the_frames_end():
+    """KernelEnd.deferred_interrupt stands in for the SIGINT handler ipykernel
+    installs: called while the main thread is in a send (here by the reading
+    thread, on the first bytes it sees, as the signal would come), it only
+    notes the interrupt; the frame goes out whole, then the send raises."""
+    agent, kernel = KP.pair()
+    end = KP.KernelEnd(kernel.detach())
+    big = [b"z" * (4 << 20)]
+    got, d = [], KP.Decoder()
+
+    def read():
+        first = True
+        while len(got) < 2:
+            data = agent.recv(1 << 16)
+            if first:
+                end.deferred_interrupt(2, None)
+                first = False
+            got.extend(d.feed(data))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with pytest.raises(KeyboardInterrupt):
+        end.send(KP.IOPUB, big)
+    end.send(KP.SHELL, [b"next"])  # the interrupt was taken once
+    reader.join(30)
+    assert got == [(KP.IOPUB, big), (KP.SHELL, [b"next"])]
+    with pytest.raises(KeyboardInterrupt):  # outside a send, the handler raises at once
+        end.deferred_interrupt(2, None)
+    end.close()
+    agent.close()
