@@ -65,7 +65,7 @@ def _patch() -> None:
         pass
 
 
-def _skip_empty_flush() -> None:
+def _skip_empty_flush(settle: bool = False) -> None:
     """ipykernel flushes stdout and stderr before each execute_reply and again
     before the idle status: four flushes per cell. Each is a round trip to the
     IOPub thread (two events through its ZMQ pipe, then a wait on a
@@ -78,6 +78,8 @@ def _skip_empty_flush() -> None:
     thread ahead of whatever the kernel publishes next (the idle status), as
     a full flush would leave it. Anything unexpected (another ipykernel's
     internals) takes the full flush."""
+    import threading
+
     from ipykernel import iostream
 
     stream = iostream.OutStream
@@ -102,6 +104,21 @@ def _skip_empty_flush() -> None:
             idle = False
         if not idle:
             full_flush(self)
+            if settle:
+                _settle(self)
+
+    def _settle(self):
+        # ipykernel's flush returns once the IOPub thread has taken the output;
+        # the message itself goes out on the thread's next round. On the
+        # agent's pipe, where shell and IOPub share one ordered stream, wait for
+        # that round too: the output is then out before whatever the caller
+        # sends next (the execute_reply after a cell's last flush).
+        pub = self.pub_thread
+        if pub is not None and pub.thread is not None and pub.thread.is_alive() \
+                and pub.thread.ident != threading.get_ident():
+            done = threading.Event()
+            pub.schedule(done.set)
+            done.wait(self.flush_timeout)
 
     stream._flush, stream.flush = _flush, flush
 
@@ -114,14 +131,11 @@ def _direct_iopub() -> None:
     made). The main thread now sends itself when the IOPub thread has
     nothing queued and is not running anything: then no message made
     earlier can still be waiting there, so the order on IOPub is the one
-    the kernel made them in. The IOPub thread sends its own messages (stdout
-    and stderr it flushes) at once instead of queueing them behind itself for
-    another round: it runs its events in order, so nothing queued earlier is
-    still waiting, and a flush from the main thread, which waits for its
-    event, returns with the output sent; over the agent's pipe (one stream
-    for shell and IOPub) a cell's output then always comes before its reply.
-    A lock keeps the threads from using the socket at once. Other threads
-    (output of the user's threads, forked children) keep the queue."""
+    the kernel made them in. A lock keeps the two threads from using the
+    socket at once. Other threads (output of the user's threads, forked
+    children) keep the queue. (The IOPub thread itself keeps queueing what it
+    sends: a flush it runs takes the output there is when it runs, which may
+    be newer than messages queued after the flush was asked for.)"""
     import os
     import threading
 
@@ -147,9 +161,8 @@ def _direct_iopub() -> None:
             really_send(self, *args, **kwargs)
 
     def send_multipart(self, *args, **kwargs):
-        here = threading.current_thread()
-        if here is self.thread or (here is main_thread and not self._events
-                                   and not getattr(self, "_sandgate_running", False) and self._is_master_process()):
+        if (threading.current_thread() is main_thread and not self._events
+                and not getattr(self, "_sandgate_running", False) and self._is_master_process()):
             with state["lock"]:
                 really_send(self, *args, **kwargs)
         else:
@@ -334,8 +347,14 @@ def main() -> None:
     end = KP.KernelEnd(int(os.environ.pop(KP.ENV))) if KP.ENV in os.environ else None
     _cache_getpid()
     _patch()
+    app = None
+    if end is not None:
+        try:
+            app = _pipe_app(end)
+        except Exception:
+            app = None
     try:
-        _skip_empty_flush()
+        _skip_empty_flush(settle=app is not None)
     except Exception:  # an ipykernel without these internals keeps its own flush
         pass
     try:
@@ -351,12 +370,7 @@ def main() -> None:
     # the sandbox's CPU. What is lost is history across kernel restarts.
     sys.argv.append("--HistoryManager.hist_file=:memory:")
     sys.argv[0] = "sandgate-kernel"
-    app = None
     if end is not None:
-        try:
-            app = _pipe_app(end)
-        except Exception:
-            app = None
         # The agent waits for this before it sends anything to the shell.
         end.send(KP.HELLO, [b"pipe" if app is not None else b"zmq"])
         if app is None:
