@@ -361,7 +361,7 @@ class KernelProcess:
             self.sockets[name] = s
 
     async def spawn(self) -> None:
-        self.close_pipe()
+        """Start the process; the caller has closed the last one's pipe."""
         argv, env, fds, kernel_end = self.argv, None, (), None
         if argv is None:  # the agent's own kernel: offer it the pipe
             argv = [sys.executable, "-m", "sandgate_agent.kernel"]
@@ -826,7 +826,9 @@ class Agent:
         sock = self.kernel.sockets[channel]
         while True:
             msg = await sock.recv_multipart()
-            await self.forward(channel, msg, time.time() if TRACE.on else None)
+            frame = self.forward_frame(channel, msg, time.time() if TRACE.on else None)
+            if frame is not None:
+                await self.out.send(frame)
 
     async def pump_pipe(self, pipe: socket.socket, hello: asyncio.Future) -> None:
         """Shell and IOPub from the kernel over its pipe, in the order it sent
@@ -863,11 +865,6 @@ class Agent:
         finally:
             if not hello.done():
                 hello.set_result(b"")
-
-    async def forward(self, channel: str, msg: list[bytes], received: float | None) -> None:
-        frame = self.forward_frame(channel, msg, received)
-        if frame is not None:
-            await self.out.send(frame)
 
     def forward_frame(self, channel: str, msg: list[bytes], received: float | None) -> bytes | None:
         try:
@@ -1164,6 +1161,11 @@ class ShellFastPath:
         self.out: list[bytes] = []  # what take() has for the loop so far
         self.count_lock = threading.Lock()
 
+    def hand_one(self) -> None:
+        """A shell frame goes to the loop (counted before the loop can see it)."""
+        with self.count_lock:
+            self.handed += 1
+
     def sent_one(self) -> None:
         with self.count_lock:
             self.handed -= 1
@@ -1199,12 +1201,12 @@ class ShellFastPath:
                 if len(buf) < end:
                     break
                 if not self.direct(frame, bytes(buf[start:end]), read_at):
+                    self.hand_one()
                     out.append(bytes(buf[:end]))
                 del buf[:end]
                 continue
             if shell:
-                with self.count_lock:
-                    self.handed += 1
+                self.hand_one()
             n = min(end, len(buf))
             out.append(bytes(buf[:n]))
             del buf[:n]
@@ -1226,27 +1228,20 @@ class ShellFastPath:
         return rest
 
     def direct(self, frame: P.KernelFrame, payload: bytes, read_at: float) -> bool:
+        """Whether the frame went to the kernel; if not, the loop sends it."""
         a, k = self.agent, self.agent.kernel
         pipe = k.pipe
-        with self.count_lock:
-            go = a.ready.is_set() and k.on_pipe and pipe is not None and not pipe.full and not self.handed
-            if not go:
-                self.handed += 1
-        if not go:
+        if not (a.ready.is_set() and k.on_pipe and pipe is not None and not pipe.full and not self.handed):
             return False
         try:
             parts = P.split_parts(frame, payload)
         except P.ProtocolError:
-            with self.count_lock:
-                self.handed += 1
             return False  # the loop says so and ends the connection
         TRACE.on = frame.trace is not None
         stamps = a.trace_in(frame, parts, read_at) if TRACE.on else None
         try:
             pipe.write(k.pipe_frame(k.session.sign(parts[:4]), parts))
         except OSError:  # a kernel restarting under it: the loop sends it once one is ready
-            with self.count_lock:
-                self.handed += 1
             return False
         if stamps is not None:
             stamps["ag_zmq"] = time.time()

@@ -18,8 +18,8 @@ platform is mostly system calls and thread wake-ups (docs/performance.md):
 * IPython's history stays in memory (no SQLite writes on every cell).
 
 The transport: shell and IOPub over one unix socketpair with the agent when
-the agent hands one over (``kernel_pipe.py``, ``_pipe_app``), and only with an
-ipykernel 6 whose internals are the ones patched; everything else (control,
+the agent hands one over (``kernel_pipe.py``, ``_pipe_app``), and only with
+ipykernel 6.17, whose internals are the ones patched; everything else (control,
 stdin, heartbeat; shell and IOPub on any other ipykernel) over ipc ZMQ, as
 the connection file says.
 """
@@ -136,7 +136,6 @@ def _direct_iopub() -> None:
     children) keep the queue. (The IOPub thread itself keeps queueing what it
     sends: a flush it runs takes the output there is when it runs, which may
     be newer than messages queued after the flush was asked for.)"""
-    import os
     import threading
 
     from ipykernel import iostream
@@ -204,7 +203,7 @@ def _cache_getpid() -> None:
 
 def _pipe_app(end: "KP.KernelEnd"):
     """An IPKernelApp whose shell and IOPub go over the agent's pipe, or None
-    when this ipykernel is not the one this was written against (6.x with a
+    when this ipykernel is not the one this was written against (6.17: a
     ZMQStream shell and an IOPubThread); then the kernel stays on ZMQ.
 
     Shell: the kernel's ``shell_stream`` becomes a stand-in for a ZMQStream
