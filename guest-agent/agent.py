@@ -928,6 +928,8 @@ class Agent:
                     frame, payload = await P.read_frame(reader)
                 except EOFError:
                     return "the gateway closed the stream"
+                except ConnectionError as e:  # a reset is an end (ResetIsEnd); anything else breaks it
+                    return f"the gateway's stream broke: {e}"
                 if isinstance(frame, P.KernelFrame):
                     if frame.channel == "iopub":
                         continue
@@ -1306,6 +1308,17 @@ async def stdio_streams(fast: ShellFastPath | None = None):
     return reader, BlockingWriter(out_fd)
 
 
+class ResetIsEnd(asyncio.StreamReaderProtocol):
+    """A gateway that closes its socket with our frames still unread resets
+    the stream (unix and vsock sockets do). What it wrote before the close
+    still counts: asyncio would raise the reset ahead of the bytes it has
+    buffered, losing a request the gateway sent last, so the reset ends the
+    stream the way an end of file does, after those bytes."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(None if isinstance(exc, ConnectionResetError) else exc)
+
+
 async def main_async(args: argparse.Namespace) -> None:
     try:  # as the init of any Linux would: code inside may use loopback (and egress does)
         loopback_up()
@@ -1348,12 +1361,17 @@ async def main_async(args: argparse.Namespace) -> None:
         await agent.serve(reader, writer)
         writer.close()
 
+    loop = asyncio.get_running_loop()
+
+    def protocol():
+        return ResetIsEnd(asyncio.StreamReader(limit=P.MAX_PAYLOAD), on_connect)
+
     if kind == "unix":
-        server = await asyncio.start_unix_server(on_connect, path=where, limit=P.MAX_PAYLOAD)
+        server = await loop.create_unix_server(protocol, path=where)
     elif kind == "vsock":
         sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
         sock.bind((socket.VMADDR_CID_ANY, int(where)))
-        server = await asyncio.start_server(on_connect, sock=sock, limit=P.MAX_PAYLOAD)
+        server = await loop.create_server(protocol, sock=sock)
     else:
         raise SystemExit(f"unknown transport {args.transport!r}")
     async with server:

@@ -110,6 +110,27 @@ def test_reconnect_keeps_kernel_state_and_buffers_output(agent):
     asyncio.run(main())
 
 
+def test_a_reset_after_the_gateways_last_request_still_delivers_it():
+    """A gateway closing with the agent's frames unread resets a unix socket;
+    the request it wrote before that must still be read, then the stream ends
+    (asyncio would raise the reset first: the reconnect test above lost its
+    cell that way now and then)."""
+    from sandgate_agent.agent import ResetIsEnd
+
+    async def main():
+        reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)
+        proto = ResetIsEnd(reader)
+        _, parts = execute_parts("1")
+        proto.data_received(P.encode_kernel("shell", parts))
+        proto.connection_lost(ConnectionResetError(104, "Connection reset by peer"))
+        frame, payload = await P.read_frame(reader)
+        assert frame.channel == "shell" and P.split_parts(frame, payload) == parts
+        with pytest.raises(EOFError):
+            await P.read_frame(reader)
+
+    asyncio.run(main())
+
+
 def test_buffer_bound_reports_drops(agent):
     sock, ws = agent
 
