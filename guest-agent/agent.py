@@ -1003,12 +1003,23 @@ class Agent:
                 pass
         self.restored_at = repr(a.clock).encode()
         reseed_kernel_random(self.restored_at, host_entropy(a.entropy))
+        # The setup's cell (shell) runs while kernel_info (control) checks the kernel.
+        setup = asyncio.ensure_future(self.setup(a.setup)) if a.setup is not None else None
         try:
             info = await self.kernel_info(deadline=5)
         except RuntimeError:
             log("kernel sockets did not survive the restore; reconnecting")
+            if setup is not None:  # its cell went to the old sockets: it is sent again on the new ones
+                setup.cancel()
+                await asyncio.gather(setup, return_exceptions=True)
+                setup = None
             self.connect_kernel()
             info = await self.kernel_info()
+            if a.setup is not None:
+                setup = asyncio.ensure_future(self.setup(a.setup))
+        if setup is not None:
+            await setup
+            info = {**info, "setup": True}
         self.ready.set()
         # The listener was closed before the checkpoint: open it again (or keep it closed).
         # A failure here costs the sandbox its egress, not its restore.
@@ -1053,6 +1064,10 @@ class Agent:
         return {"closed": closed}, b""
 
     async def op_setup(self, a, _):
+        await self.setup(a)
+        return {}, b""
+
+    async def setup(self, a: P.SetupArgs) -> None:
         """Make a sandbox restored from a shared checkpoint its own: its
         environment, fresh randomness (every copy of a checkpoint would
         otherwise draw the same 'random' numbers), and a session id of its
@@ -1072,7 +1087,6 @@ class Agent:
                                                            "store_history": False}, 30)
         if reply.get("status") != "ok":
             raise RuntimeError(f"setup failed in the kernel: {reply.get('ename')}: {reply.get('evalue')}")
-        return {}, b""
 
     async def op_sync(self, a, _):
         await asyncio.get_running_loop().run_in_executor(None, os.sync)

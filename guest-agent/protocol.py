@@ -132,18 +132,23 @@ class EgressArgs(BaseModel):
     ca_pem: str = ""
 
 
+class SetupArgs(BaseModel):
+    env: Dict[str, str] = {}
+    reseed_numpy: bool = True
+    entropy: str = ""  # as in ReconnectArgs
+
+
 class ReconnectArgs(BaseModel):
     clock: Optional[float] = None  # the host's time: a VM's clock stood still while it was saved
     entropy: str = ""  # hex from the host's CSPRNG: copies of one checkpoint must not share a random state
     # The sandbox's egress after the restore (None: off). The listener was
     # closed before the checkpoint (`quiesce`); this reopens it, or not.
     egress: Optional[EgressArgs] = None
-
-
-class SetupArgs(BaseModel):
-    env: Dict[str, str] = {}
-    reseed_numpy: bool = True
-    entropy: str = ""  # as in ReconnectArgs
+    # `setup` in the same request (a fork, a start from a checkpoint): one
+    # round trip fewer, and its cell runs while the kernel's liveness is
+    # checked. The reply then says "setup": true; an agent from before
+    # ignores the field and does not say so, and the gateway sends `setup`.
+    setup: Optional[SetupArgs] = None
 
 
 OP_ARGS = {

@@ -96,6 +96,7 @@ class FakeAgent:
         self.inbox: collections.deque = collections.deque(st.get("inbox", []))
         self.waiting: Optional[asyncio.Future] = None  # a cell's directives, while it waits at them
         self.interrupted = False
+        self.setups = 0  # `setup` requests answered
         self.spawn(self.serve())
         self.kernel = self.spawn(self.run_kernel())
         if state is None:
@@ -291,10 +292,13 @@ class FakeAgent:
                 "buffered": 0, "agent_version": P.VERSION}, b""
 
     async def op_reconnect(self, a, _):
+        # As an agent from before `setup` rode on `reconnect`: no "setup" in
+        # the reply, so the gateway sends `setup` after it (its fallback).
         self.ready.set()
         return dict(KERNEL_INFO), b""
 
     async def op_setup(self, a, _):
+        self.setups += 1
         self.env.update(a.env)
         return {}, b""
 

@@ -156,6 +156,37 @@ def test_buffer_bound_reports_drops(agent):
     asyncio.run(main())
 
 
+def test_reconnect_with_setup_makes_the_kernel_its_own_in_one_request(agent):
+    """A fork's `reconnect` carries its `setup`: the reply says it was done, the
+    kernel has the environment and a new session, and a request without it
+    (a resume) does nothing of the sort."""
+    sock, ws = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        ask = "import os; print(os.environ.get('SG_FORK'), get_ipython().kernel.session.session)"
+
+        async def kernel_says():
+            mid, parts = execute_parts(ask)
+            a.link.send_kernel("shell", parts)
+            got = await a.until_idle(mid)
+            return [c["text"] for ch, t, c in got if t == "stream"][0].split()
+
+        before = await kernel_says()
+        info, _ = await a.link.request("reconnect", {"clock": time.time(), "entropy": os.urandom(32).hex()})
+        assert "setup" not in info and info["language_info"]["name"] == "python"
+        assert await kernel_says() == before
+        info, _ = await a.link.request("reconnect", {"clock": time.time(), "entropy": os.urandom(32).hex(),
+                                                     "setup": {"env": {"SG_FORK": "yes"}}})
+        assert info["setup"] is True and info["language_info"]["name"] == "python"
+        env, session = await kernel_says()
+        assert env == "yes" and session != before[1]
+        with pytest.raises(AgentError, match="validation error|Field required|field required"):
+            await a.link.request("reconnect", {"setup": {"env": "not-a-dict"}})
+
+    asyncio.run(main())
+
+
 def test_files_and_exec(agent):
     sock, ws = agent
 

@@ -448,6 +448,16 @@ async def test_a_cell_running_through_a_checkpoint_shows_busy_after_it(tmp_path)
 
 
 @run
+async def test_a_fork_whose_agent_did_not_set_up_on_reconnect_is_set_up_after_it(tmp_path):
+    """The fake agent answers `reconnect` as an agent from before `setup` rode on
+    it: the gateway sends `setup` itself, once."""
+    svc = make(tmp_path)
+    sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
+    fork = await svc.fork(sb.id)
+    assert fork.runtime.agent.setups == 1 and fork.runtime.agent.env["KERNEL_K"] == "v"
+
+
+@run
 async def test_bad_env_names_are_a_400_not_an_agent_failure(tmp_path):
     from sandgate.core.errors import BadRequest
 

@@ -145,7 +145,7 @@ class SandboxManager:
                         how = f"from checkpoint {checkpoint.id}"
                         await sb.fill_workspace(checkpoint)
                         try:
-                            await sb.boot_checkpoint(checkpoint.id)
+                            await sb.boot_checkpoint(checkpoint.id, setup_env=env)
                         except Unavailable as e:
                             if not self.pool.is_template(checkpoint.id):
                                 raise
@@ -154,8 +154,6 @@ class SandboxManager:
                             self.pool.template_failed(driver, checkpoint.id, e)
                             how, checkpoint = "cold: the warm-start template did not restore", None
                             await sb.boot()
-                        else:
-                            await sb.setup(env)
                     else:
                         await sb.boot()
                     await sb.to(State.RUNNING)

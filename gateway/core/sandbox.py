@@ -49,11 +49,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandgate.sandbox")
 
 
-def reconnect_args(egress: Optional[dict] = None) -> dict:
+def reconnect_args(egress: Optional[dict] = None, env: Optional[Dict[str, str]] = None) -> dict:
     """For an agent restored from a checkpoint: the host's clock (a VM's stood
     still), fresh randomness (every copy of one checkpoint has the same), and
-    its egress (the listener was closed for the checkpoint; None keeps it so)."""
-    return {"clock": time.time(), "entropy": os.urandom(32).hex(), "egress": egress}
+    its egress (the listener was closed for the checkpoint; None keeps it so);
+    with ``env``, `setup` too (the reply says "setup": true if it was done)."""
+    return {"clock": time.time(), "entropy": os.urandom(32).hex(), "egress": egress,
+            "setup": setup_args(env) if env is not None else None}
 
 
 def setup_args(env: Dict[str, str]) -> dict:
@@ -240,9 +242,11 @@ class Sandbox:
             await self.teardown()
             raise Unavailable(f"sandbox {self.id}: its agent could not take its environment: {e}") from None
 
-    async def boot(self, restore_from: Optional[Path] = None, consume: bool = False) -> None:
+    async def boot(self, restore_from: Optional[Path] = None, consume: bool = False,
+                   setup_env: Optional[Dict[str, str]] = None) -> None:
         """Start the runtime, cold or from a checkpoint image (``consume``: the
         image may be moved, see Driver.restore); the caller owns the state.
+        With ``setup_env`` a restored sandbox is made its own (``setup``).
         Raises Unavailable with the reason when the runtime does not come up."""
         s = self.manager.settings
         spec = self.new_spec()
@@ -255,7 +259,7 @@ class Sandbox:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
         exited = self._attach(runtime)
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
-        ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(self._egress_args()),
+        ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(self._egress_args(), setup_env),
                                                         timeout=s.kernel_start_timeout)
                                       if restore_from else self.link.ready)
         done, _ = await asyncio.wait({ready, exited}, timeout=s.kernel_start_timeout,
@@ -281,6 +285,8 @@ class Sandbox:
         if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
                         ready.result()[0]["egress_error"])
+        if restore_from and setup_env is not None and not ready.result()[0].get("setup"):
+            await self.setup(setup_env)  # an agent from before `setup` rode on `reconnect`
         if not restore_from and self.record.env and not self.driver.env_at_boot:
             await self.setup(self.record.env)
         if not restore_from and self._egress_args():
@@ -294,12 +300,12 @@ class Sandbox:
         self.record = self.record.model_copy(update={"runtime": runtime.id})
         self._watch = asyncio.ensure_future(self._watch_runtime(exited))
 
-    async def boot_checkpoint(self, cid: str) -> None:
+    async def boot_checkpoint(self, cid: str, setup_env: Optional[Dict[str, str]] = None) -> None:
         """``boot`` from checkpoint ``cid``'s running state (assembled from its chunks if stored so)."""
         try:
             # A template is restored at every start from an empty pool: its image is assembled once.
             async with self.manager.checkpoints.restorable(cid, keep=self.manager.pool.is_template(cid)) as image:
-                await self.boot(restore_from=image)
+                await self.boot(restore_from=image, setup_env=setup_env)
         except (OSError, ValueError) as e:  # a chunk or the manifest missing or damaged
             raise Unavailable(f"sandbox {self.id} failed to restore checkpoint {cid}: {e}") from None
 
