@@ -5,7 +5,8 @@ whole kernel can be checkpointed by runsc, which cannot save TCP sockets:
 
 * no IOPub pipe: ipykernel binds tcp://127.0.0.1 to carry output of forked
   children; inside a sandbox nothing forks behind the kernel's back;
-* no debugpy: the debugger listens on TCP when asked to start.
+* no debugpy: the debugger listens on TCP when asked to start (and it is
+  not even imported: ``_without_debugpy``).
 
 And two things cut the time of every cell, which under gVisor's ptrace
 platform is mostly system calls and thread wake-ups (docs/performance.md):
@@ -43,6 +44,24 @@ def _die_with_agent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def _without_debugpy() -> None:
+    """ipykernel imports debugpy (and pydevd with it) when its debugger module
+    loads, though this kernel never lets the debugger start (``_patch``):
+    11-12 MB of the kernel's heap, in every sandbox, every checkpoint and every
+    restore (docs/performance.md). The import is refused while ipykernel
+    loads; after it, debugpy imports as usual for a cell that wants it."""
+    if "debugpy" in sys.modules:
+        return
+    sys.modules["debugpy"] = None  # type: ignore[assignment]  # the import system's "refuse this"
+    try:  # the module that imports it (ipykernel 7 loads it later, with the kernel's class)
+        import ipykernel.debugger  # noqa: F401  (it now says debugpy is unavailable, once and for all)
+    except Exception:
+        pass
+    finally:
+        if sys.modules.get("debugpy", 0) is None:
+            del sys.modules["debugpy"]
 
 
 def _patch() -> None:
@@ -345,6 +364,7 @@ def main() -> None:
     _die_with_agent()
     end = KP.KernelEnd(int(os.environ.pop(KP.ENV))) if KP.ENV in os.environ else None
     _cache_getpid()
+    _without_debugpy()
     _patch()
     app = None
     if end is not None:

@@ -187,6 +187,25 @@ def test_reconnect_with_setup_makes_the_kernel_its_own_in_one_request(agent):
     asyncio.run(main())
 
 
+def test_the_kernel_runs_without_debugpy_loaded_and_a_cell_may_import_it(agent):
+    """ipykernel's debugger module would import debugpy (11-12 MB of heap in every
+    sandbox and checkpoint); the kernel refuses it while ipykernel loads, and
+    only then: a cell's own import works."""
+    sock, ws = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        code = ("import sys\nprint('debugpy' in sys.modules, sorted(m for m in sys.modules if 'pydevd' in m)[:1])\n"
+                "import debugpy\nprint(debugpy.__name__)")
+        mid, parts = execute_parts(code)
+        a.link.send_kernel("shell", parts)
+        got = await a.until_idle(mid)
+        out = "".join(c["text"] for ch, t, c in got if t == "stream")
+        assert out == "False []\ndebugpy\n", got
+
+    asyncio.run(main())
+
+
 def test_files_and_exec(agent):
     sock, ws = agent
 
