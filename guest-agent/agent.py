@@ -1006,20 +1006,28 @@ class Agent:
         # The setup's cell (shell) runs while kernel_info (control) checks the kernel.
         setup = asyncio.ensure_future(self.setup(a.setup)) if a.setup is not None else None
         try:
-            info = await self.kernel_info(deadline=5)
-        except RuntimeError:
-            log("kernel sockets did not survive the restore; reconnecting")
-            if setup is not None:  # its cell went to the old sockets: it is sent again on the new ones
+            try:
+                info = await self.kernel_info(deadline=5)
+            except RuntimeError:
+                log("kernel sockets did not survive the restore; reconnecting")
+                if setup is not None:  # its cell went to the old sockets: it is sent again on the new ones
+                    setup.cancel()
+                    await asyncio.gather(setup, return_exceptions=True)
+                    setup = None
+                self.connect_kernel()
+                info = await self.kernel_info()
+                if a.setup is not None:
+                    setup = asyncio.ensure_future(self.setup(a.setup))
+            if setup is not None:
+                try:
+                    await setup
+                    info = {**info, "setup": True}
+                except Exception as e:  # the sandbox's failure, not the restore's: said apart
+                    info = {**info, "setup": False, "setup_error": f"{type(e).__name__}: {e}"}
+        except BaseException:
+            if setup is not None and not setup.done():
                 setup.cancel()
-                await asyncio.gather(setup, return_exceptions=True)
-                setup = None
-            self.connect_kernel()
-            info = await self.kernel_info()
-            if a.setup is not None:
-                setup = asyncio.ensure_future(self.setup(a.setup))
-        if setup is not None:
-            await setup
-            info = {**info, "setup": True}
+            raise
         self.ready.set()
         # The listener was closed before the checkpoint: open it again (or keep it closed).
         # A failure here costs the sandbox its egress, not its restore.

@@ -82,6 +82,12 @@ def _patch() -> None:
         ipkernel._is_debugpy_available = False
     except Exception:
         pass
+    try:  # where ipykernel 7 reads it, at run time (debugpy loaded before the kernel: a .pth file)
+        from ipykernel import debugger
+
+        debugger._is_debugpy_available = False
+    except Exception:
+        pass
 
 
 def _skip_empty_flush(settle: bool = False) -> None:

@@ -146,8 +146,9 @@ class ReconnectArgs(BaseModel):
     egress: Optional[EgressArgs] = None
     # `setup` in the same request (a fork, a start from a checkpoint): one
     # round trip fewer, and its cell runs while the kernel's liveness is
-    # checked. The reply then says "setup": true; an agent from before
-    # ignores the field and does not say so, and the gateway sends `setup`.
+    # checked. The reply then says "setup": true (or false, with
+    # "setup_error"); an agent from before ignores the field and says
+    # neither, and the gateway sends `setup`.
     setup: Optional[SetupArgs] = None
 
 

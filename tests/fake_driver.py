@@ -96,7 +96,7 @@ class FakeAgent:
         self.inbox: collections.deque = collections.deque(st.get("inbox", []))
         self.waiting: Optional[asyncio.Future] = None  # a cell's directives, while it waits at them
         self.interrupted = False
-        self.setups = 0  # `setup` requests answered
+        self.setups = self.setups_on_reconnect = 0  # `setup` requests answered; setups done in `reconnect`
         self.spawn(self.serve())
         self.kernel = self.spawn(self.run_kernel())
         if state is None:
@@ -292,12 +292,21 @@ class FakeAgent:
                 "buffered": 0, "agent_version": P.VERSION}, b""
 
     async def op_reconnect(self, a, _):
-        # As an agent from before `setup` rode on `reconnect`: no "setup" in
-        # the reply, so the gateway sends `setup` after it (its fallback).
+        # Unless the driver says otherwise, as an agent from before `setup`
+        # rode on `reconnect`: no "setup" in the reply, so the gateway sends
+        # `setup` after it (its fallback).
         self.ready.set()
-        return dict(KERNEL_INFO), b""
+        if a.setup is None or not self.driver.setup_on_reconnect:
+            return dict(KERNEL_INFO), b""
+        if self.driver.fail_setup:
+            return {**KERNEL_INFO, "setup": False, "setup_error": f"RuntimeError: {self.driver.fail_setup}"}, b""
+        self.setups_on_reconnect += 1
+        self.env.update(a.setup.env)
+        return {**KERNEL_INFO, "setup": True}, b""
 
     async def op_setup(self, a, _):
+        if self.driver.fail_setup:
+            raise RuntimeError(self.driver.fail_setup)
         self.setups += 1
         self.env.update(a.env)
         return {}, b""
@@ -416,6 +425,8 @@ class FakeDriver(Driver):
         self.entered, self.cell_gates, self.at_gate = event(), event(), event()
         self.created = self.restored = 0
         self.live: set = set()
+        self.setup_on_reconnect = False  # the agent does `setup` inside `reconnect` (as the real one)
+        self.fail_setup: Optional[str] = None  # `setup` fails with this, either way
 
     @classmethod
     def probe(cls) -> Tuple[bool, str]:

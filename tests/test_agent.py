@@ -183,6 +183,10 @@ def test_reconnect_with_setup_makes_the_kernel_its_own_in_one_request(agent):
         assert env == "yes" and session != before[1]
         with pytest.raises(AgentError, match="validation error|Field required|field required"):
             await a.link.request("reconnect", {"setup": {"env": "not-a-dict"}})
+        # A setup that fails is said apart from the restore: the reconnect itself answers.
+        info, _ = await a.link.request("reconnect", {"clock": time.time(), "setup": {"env": {"SG_BAD": "a\0b"}}})
+        assert info["setup"] is False and "null" in info["setup_error"] and info["language_info"]["name"] == "python"
+        assert await kernel_says() == [env, session]  # the kernel still answers, unchanged
 
     asyncio.run(main())
 

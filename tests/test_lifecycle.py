@@ -454,7 +454,33 @@ async def test_a_fork_whose_agent_did_not_set_up_on_reconnect_is_set_up_after_it
     svc = make(tmp_path)
     sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
     fork = await svc.fork(sb.id)
-    assert fork.runtime.agent.setups == 1 and fork.runtime.agent.env["KERNEL_K"] == "v"
+    assert fork.runtime.agent.setups == 1 and fork.runtime.agent.setups_on_reconnect == 0
+
+
+@run
+async def test_a_fork_set_up_inside_reconnect_gets_no_second_setup(tmp_path):
+    svc = make(tmp_path)
+    driver_of(svc).setup_on_reconnect = True
+    sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
+    fork = await svc.fork(sb.id)
+    assert fork.runtime.agent.setups_on_reconnect == 1 and fork.runtime.agent.setups == 0
+
+
+@run
+async def test_a_fork_whose_setup_fails_is_a_503_and_leaves_nothing(tmp_path):
+    """Both ways: inside `reconnect` (the agent says setup_error) and as its own request."""
+    from sandgate.core.errors import SetupFailed
+
+    svc = make(tmp_path)
+    drv = driver_of(svc)
+    sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
+    for inside in (True, False):
+        drv.setup_on_reconnect, drv.fail_setup = inside, "no room for the environment"
+        with pytest.raises(SetupFailed, match="could not take its environment: .*no room for the environment"):
+            await svc.fork(sb.id)
+        assert [s.id for s in svc.list()] == [sb.id]
+    drv.fail_setup = None
+    assert (await svc.fork(sb.id)).state == State.RUNNING
 
 
 @run

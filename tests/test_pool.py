@@ -4,6 +4,8 @@ and what happens when the template cannot be made."""
 import asyncio
 import logging
 
+import pytest
+
 from core_harness import driver_of, make, run, start
 from sandgate.core import pool as pool_module
 
@@ -93,3 +95,23 @@ async def test_a_template_that_does_not_restore_is_made_anew_and_starts_go_cold_
         assert out["stdout"] == "42\n", out
     await service.manager.delete_all()
     assert not drv.live
+
+
+@run
+async def test_a_template_start_whose_setup_fails_fails_that_start_and_keeps_the_template(tmp_path):
+    """A setup that fails (a timeout on a loaded host, say) is the sandbox's failure: the template
+    restored fine and stays, warm start stays on."""
+    from sandgate.core.errors import SetupFailed
+
+    service = make(tmp_path, warm_start=True, pool_size=0)  # every start restores the template
+    pool, drv = service.manager.pool, driver_of(service)
+    pool.refill("fake")
+    await settled(service)
+    (template,) = pool.templates.values()
+    for inside in (True, False):
+        drv.setup_on_reconnect, drv.fail_setup = inside, "the kernel did not answer"
+        with pytest.raises(SetupFailed, match="could not take its environment: .*the kernel did not answer"):
+            await start(service)
+        assert list(pool.templates.values()) == [template] and "fake" not in pool._retry
+    drv.fail_setup = None
+    assert (await start(service)).state.value == "running" and list(pool.templates.values()) == [template]

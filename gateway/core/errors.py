@@ -66,6 +66,11 @@ class Unavailable(SandgateError):
     status, code = 503, "unavailable"
 
 
+class SetupFailed(Unavailable):
+    """A restored or pooled sandbox's agent could not take its environment
+    (``setup``): this sandbox's failure, not its checkpoint's (a template is kept)."""
+
+
 class RateLimited(SandgateError):
     """Too many requests of one kind too fast (a tenant's creation rate);
     ``retry_after`` is the seconds until one more is allowed."""

@@ -29,7 +29,7 @@ from ..kernelspecs import KernelSpecs
 from ..workspace import WorkspaceError, reap_mounts
 from ..store.base import SessionStore
 from . import states
-from .errors import LimitReached, NotFound, Unavailable
+from .errors import LimitReached, NotFound, SetupFailed, Unavailable
 from .pool import WarmPool
 from .record import SandboxRecord
 from .messages import utcnow
@@ -146,6 +146,8 @@ class SandboxManager:
                         await sb.fill_workspace(checkpoint)
                         try:
                             await sb.boot_checkpoint(checkpoint.id, setup_env=env)
+                        except SetupFailed:
+                            raise  # this sandbox's environment, not the checkpoint: a template is kept
                         except Unavailable as e:
                             if not self.pool.is_template(checkpoint.id):
                                 raise

@@ -35,7 +35,7 @@ from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, Unavailable
+from .errors import Conflict, LimitReached, SetupFailed, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -240,7 +240,7 @@ class Sandbox:
             await self.link.request("setup", setup_args(env), timeout=30)
         except AgentError as e:
             await self.teardown()
-            raise Unavailable(f"sandbox {self.id}: its agent could not take its environment: {e}") from None
+            raise SetupFailed(f"sandbox {self.id}: its agent could not take its environment: {e}") from None
 
     async def boot(self, restore_from: Optional[Path] = None, consume: bool = False,
                    setup_env: Optional[Dict[str, str]] = None) -> None:
@@ -285,8 +285,18 @@ class Sandbox:
         if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
                         ready.result()[0]["egress_error"])
-        if restore_from and setup_env is not None and not ready.result()[0].get("setup"):
-            await self.setup(setup_env)  # an agent from before `setup` rode on `reconnect`
+        if restore_from and setup_env is not None:
+            said = ready.result()[0]
+            try:
+                if said.get("setup_error"):
+                    await self.teardown()
+                    raise SetupFailed(f"sandbox {self.id}: its agent could not take its environment: "
+                                      f"{said['setup_error']}")
+                if not said.get("setup"):
+                    await self.setup(setup_env)  # an agent from before `setup` rode on `reconnect`
+            except SetupFailed:
+                exited.cancel()
+                raise
         if not restore_from and self.record.env and not self.driver.env_at_boot:
             await self.setup(self.record.env)
         if not restore_from and self._egress_args():
