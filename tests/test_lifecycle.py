@@ -448,22 +448,15 @@ async def test_a_cell_running_through_a_checkpoint_shows_busy_after_it(tmp_path)
 
 
 @run
-async def test_a_fork_whose_agent_did_not_set_up_on_reconnect_is_set_up_after_it(tmp_path):
-    """The fake agent answers `reconnect` as an agent from before `setup` rode on
-    it: the gateway sends `setup` itself, once."""
-    svc = make(tmp_path)
-    sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
-    fork = await svc.fork(sb.id)
-    assert fork.runtime.agent.setups == 1 and fork.runtime.agent.setups_on_reconnect == 0
-
-
-@run
-async def test_a_fork_set_up_inside_reconnect_gets_no_second_setup(tmp_path):
-    svc = make(tmp_path)
-    driver_of(svc).setup_on_reconnect = True
-    sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
-    fork = await svc.fork(sb.id)
-    assert fork.runtime.agent.setups_on_reconnect == 1 and fork.runtime.agent.setups == 0
+async def test_a_fork_is_set_up_once_inside_reconnect_or_else_after_it(tmp_path):
+    """An agent that sets up inside `reconnect` gets no second `setup`; one from
+    before (the fake's default) says nothing of it and gets `setup` after, once."""
+    for inside in (False, True):
+        svc = make(tmp_path / f"inside-{inside}")
+        driver_of(svc).setup_on_reconnect = inside
+        sb = await svc.start(StartRequest(env={"KERNEL_K": "v"}))
+        agent = (await svc.fork(sb.id)).runtime.agent
+        assert (agent.setups, agent.setups_on_reconnect) == ((0, 1) if inside else (1, 0))
 
 
 @run

@@ -239,8 +239,11 @@ class Sandbox:
         try:
             await self.link.request("setup", setup_args(env), timeout=30)
         except AgentError as e:
-            await self.teardown()
-            raise SetupFailed(f"sandbox {self.id}: its agent could not take its environment: {e}") from None
+            await self._setup_failed(str(e))
+
+    async def _setup_failed(self, why: str) -> None:
+        await self.teardown()
+        raise SetupFailed(f"sandbox {self.id}: its agent could not take its environment: {why}") from None
 
     async def boot(self, restore_from: Optional[Path] = None, consume: bool = False,
                    setup_env: Optional[Dict[str, str]] = None) -> None:
@@ -282,16 +285,14 @@ class Sandbox:
             log.info("sandbox %s: restored by %s in %.0f ms", self.id, self.record.driver,
                      (time.monotonic() - t0) * 1000)
             self.driver.after_restore(runtime)
-        if restore_from and isinstance(ready.result(), tuple) and ready.result()[0].get("egress_error"):
+        said = ready.result()[0] if restore_from else {}  # the reconnect's answer
+        if said.get("egress_error"):
             log.warning("sandbox %s: its egress listener did not reopen after the restore: %s", self.id,
-                        ready.result()[0]["egress_error"])
+                        said["egress_error"])
         if restore_from and setup_env is not None:
-            said = ready.result()[0]
             try:
                 if said.get("setup_error"):
-                    await self.teardown()
-                    raise SetupFailed(f"sandbox {self.id}: its agent could not take its environment: "
-                                      f"{said['setup_error']}")
+                    await self._setup_failed(said["setup_error"])
                 if not said.get("setup"):
                     await self.setup(setup_env)  # an agent from before `setup` rode on `reconnect`
             except SetupFailed:
