@@ -6,7 +6,8 @@ whole kernel can be checkpointed by runsc, which cannot save TCP sockets:
 * no IOPub pipe: ipykernel binds tcp://127.0.0.1 to carry output of forked
   children; inside a sandbox nothing forks behind the kernel's back;
 * no debugpy: the debugger listens on TCP when asked to start (and it is
-  not even imported: ``_without_debugpy``).
+  not even imported: ``_lean_imports``, which also leaves out jedi until the
+  first completion and IPython's terminal: ~13 MB less to checkpoint and restore).
 
 And two things cut the time of every cell, which under gVisor's ptrace
 platform is mostly system calls and thread wake-ups (docs/performance.md):
@@ -46,22 +47,86 @@ def _die_with_agent() -> None:
         pass
 
 
-def _without_debugpy() -> None:
-    """ipykernel imports debugpy (and pydevd with it) when its debugger module
-    loads, though this kernel never lets the debugger start (``_patch``):
-    11-12 MB of the kernel's heap, in every sandbox, every checkpoint and every
-    restore (docs/performance.md). The import is refused while ipykernel
-    loads; after it, debugpy imports as usual for a cell that wants it."""
-    if "debugpy" in sys.modules:
-        return
-    sys.modules["debugpy"] = None  # type: ignore[assignment]  # the import system's "refuse this"
-    try:  # the module that imports it (ipykernel 7 loads it later, with the kernel's class)
+# Imported by ipykernel's own imports, used by nothing a kernel here does on
+# its own: refused while ipykernel loads, importable again afterwards. debugpy
+# (and pydevd) come with ipykernel's debugger module, which is off here
+# (``_patch``); jedi comes with IPython's completer and is loaded at the first
+# completion instead (``_lazy_jedi``).
+REFUSED = ("debugpy", "jedi")
+
+
+def _lean_imports() -> None:
+    """Load ipykernel without the modules in ``REFUSED`` and without
+    prompt_toolkit: IPython's package imports its terminal ``embed`` (and the
+    terminal shell, prompt_toolkit with it), which a kernel never uses. Those
+    three are ~10 MB of the kernel's heap (and more of mapped files) in every
+    sandbox, every checkpoint and every restore (docs/performance.md). ``IPython.embed`` still works: it
+    loads the real one when called. Anything that imports these modules later
+    (a cell, a completion) gets them as usual."""
+    refused = [m for m in REFUSED if m not in sys.modules]
+    for m in refused:
+        sys.modules[m] = None  # type: ignore[assignment]  # the import system's "refuse this"
+    stub = None if "IPython" in sys.modules else _embed_stub()
+    try:
         import ipykernel.debugger  # noqa: F401  (it now says debugpy is unavailable, once and for all)
+        import ipykernel.kernelapp  # noqa: F401  (IPython and its completer, which now say jedi is not there)
     except Exception:
         pass
     finally:
-        if sys.modules.get("debugpy", 0) is None:
-            del sys.modules["debugpy"]
+        for m in refused:
+            if sys.modules.get(m, 0) is None:
+                del sys.modules[m]
+        if stub is not None and sys.modules.get(stub.__name__) is stub:
+            del sys.modules[stub.__name__]
+
+
+def _embed_stub():
+    """Stands in for ``IPython.terminal.embed`` while IPython's package loads;
+    its ``embed`` (``IPython.embed``) imports the real module when called."""
+    import types
+
+    stub = types.ModuleType("IPython.terminal.embed")
+
+    def embed(*args, **kwargs):
+        from IPython.terminal.embed import embed as real  # the stub is out of sys.modules by now
+
+        return real(*args, **kwargs)
+
+    stub.embed = embed  # type: ignore[attr-defined]
+    sys.modules[stub.__name__] = stub
+    return stub
+
+
+def _lazy_jedi() -> bool:
+    """IPython's completer, loaded without jedi (``_lean_imports``), imports it
+    at its first completion and then completes as it would have. Returns
+    whether that is set up: jedi is installed and was not loaded already."""
+    import importlib.util
+
+    from IPython.core import completer
+
+    if getattr(completer, "jedi", None) is not None or importlib.util.find_spec("jedi") is None:
+        return False  # loaded as usual, or not installed: IPython's own completions, as before
+    cls = completer.IPCompleter
+    jedi_matches = cls._jedi_matches
+
+    def _jedi_matches(self, *args, **kwargs):
+        if getattr(completer, "jedi", None) is None:
+            try:
+                import jedi
+                import jedi.api.classes  # noqa: F401  (what the completer's own import loads)
+                import jedi.api.helpers  # noqa: F401
+
+                jedi.settings.case_insensitive_completion = False
+            except Exception:  # a broken jedi: IPython's own completions from now on
+                self.use_jedi = False
+                return []
+            completer.jedi = jedi
+            completer.JEDI_INSTALLED = True
+        return jedi_matches(self, *args, **kwargs)
+
+    cls._jedi_matches = _jedi_matches
+    return True
 
 
 def _patch() -> None:
@@ -370,8 +435,13 @@ def main() -> None:
     _die_with_agent()
     end = KP.KernelEnd(int(os.environ.pop(KP.ENV))) if KP.ENV in os.environ else None
     _cache_getpid()
-    _without_debugpy()
+    _lean_imports()
     _patch()
+    try:
+        if _lazy_jedi():  # jedi completes as before, once it is loaded
+            sys.argv.append("--IPCompleter.use_jedi=True")
+    except Exception:  # another IPython's internals: it imported jedi itself, or completes without it
+        pass
     app = None
     if end is not None:
         try:

@@ -191,21 +191,43 @@ def test_reconnect_with_setup_makes_the_kernel_its_own_in_one_request(agent):
     asyncio.run(main())
 
 
-def test_the_kernel_runs_without_debugpy_loaded_and_a_cell_may_import_it(agent):
-    """ipykernel's debugger module would import debugpy (11-12 MB of heap in every
-    sandbox and checkpoint); the kernel refuses it while ipykernel loads, and
-    only then: a cell's own import works."""
+def test_the_kernel_starts_without_debugpy_jedi_or_prompt_toolkit_and_each_still_works(agent):
+    """ipykernel and IPython would import debugpy, jedi and prompt_toolkit at
+    start (~10 MB of heap in every sandbox and checkpoint, none of it used by
+    a kernel that only runs cells); the kernel leaves them out while
+    ipykernel loads, and only then: a completion loads jedi and completes with
+    it, a cell imports debugpy, IPython.embed and its terminal module."""
     sock, ws = agent
 
     async def main():
         a = await Conn.open(sock)
-        code = ("import sys\nprint('debugpy' in sys.modules, sorted(m for m in sys.modules if 'pydevd' in m)[:1])\n"
-                "import debugpy\nprint(debugpy.__name__)")
-        mid, parts = execute_parts(code)
-        a.link.send_kernel("shell", parts)
-        got = await a.until_idle(mid)
-        out = "".join(c["text"] for ch, t, c in got if t == "stream")
-        assert out == "False []\ndebugpy\n", got
+
+        async def run(code):
+            mid, parts = execute_parts(code)
+            a.link.send_kernel("shell", parts)
+            got = await a.until_idle(mid)
+            return "".join(c["text"] for ch, t, c in got if t == "stream")
+
+        loaded = "import sys\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {}))"
+        heavy = "('debugpy', '_pydevd_bundle', 'jedi', 'parso', 'prompt_toolkit')"
+        assert await run(loaded.format(heavy)) == "[]\n"
+
+        code = "import collections\ncollections.Ordered"
+        h = {"msg_id": uuid.uuid4().hex, "msg_type": "complete_request", "session": "t", "username": "t",
+             "date": "2026-01-01T00:00:00Z", "version": "5.3"}
+        a.link.send_kernel("shell", [json.dumps(h).encode(), b"{}", b"{}",
+                                     json.dumps({"code": code, "cursor_pos": len(code)}).encode()])
+        while True:
+            ch, parts = await asyncio.wait_for(a.queue.get(), 60)
+            if ch == "shell" and json.loads(parts[0])["msg_type"] == "complete_reply":
+                reply = json.loads(parts[3])
+                break
+        assert reply["status"] == "ok" and "OrderedDict" in reply["matches"], reply
+        assert await run("print('jedi' in sys.modules)") == "True\n"  # the completion loaded it
+
+        assert await run("import debugpy, IPython, IPython.terminal.embed as e\n"
+                         "print(debugpy.__name__, callable(IPython.embed), e.InteractiveShellEmbed.__name__)"
+                         ) == "debugpy True InteractiveShellEmbed\n"
 
     asyncio.run(main())
 
