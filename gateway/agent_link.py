@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
@@ -50,7 +51,9 @@ class AgentLink:
         # Egress connections the agent carries on this stream; without an
         # opener every `open` is refused.
         self.tunnels = T.Mux(self._send_frame, tunnel_opener)
-        self._ids = itertools.count(1)
+        # Ids start anywhere in 2**48: the agent keeps its answers while no gateway is
+        # attached and gives them to the next link, whose ids must not meet the last one's.
+        self._ids = itertools.count(secrets.randbits(48) + 1)
         self._pending: Dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.closed: asyncio.Future = asyncio.get_running_loop().create_future()

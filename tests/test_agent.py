@@ -131,6 +131,31 @@ def test_a_reset_after_the_gateways_last_request_still_delivers_it():
     asyncio.run(main())
 
 
+def test_an_answer_to_a_gateway_that_has_gone_never_answers_the_next_ones_request(agent):
+    """The agent keeps what it says while no gateway is attached and says it
+    to the next one, answers to the last gateway's requests included; the next
+    gateway's request ids must not meet them (they once both began at 1, and
+    the next gateway's command got the last one's output)."""
+    sock, ws = agent
+
+    async def main():
+        a = await Conn.open(sock)
+        old = asyncio.ensure_future(a.link.request("exec", {"argv": ["sh", "-c", "sleep 1; echo old"]}))
+        await asyncio.sleep(0)  # the request is written ...
+        await a.link.writer.drain()
+        await a.link.close()  # ... and its gateway goes before the answer
+        with pytest.raises(AgentError):
+            await old
+        b = await Conn.open(sock)
+        # Asked while the old command still runs, answered after it ends.
+        result, _ = await b.link.request("exec", {"argv": ["sh", "-c", "sleep 2.5; echo newer"]})
+        assert result["stdout_len"] == len("newer\n"), result
+        result, _ = await b.link.request("ping")
+        assert "agent_version" in result, result
+
+    asyncio.run(main())
+
+
 def test_buffer_bound_reports_drops(agent):
     sock, ws = agent
 
