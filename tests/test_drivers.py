@@ -5,6 +5,7 @@ TCG), but none depends on another: the ``sb`` fixture hands each test a live
 sandbox in the state it starts from (``x = 41``, ``data/in.txt``), making a new
 one when a test before it deleted or killed it, so any test runs alone (-k)."""
 
+import asyncio
 import os
 import re
 import stat
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import wait_for
 from sandgate.drivers.base import socket_dir
-from sandgate.workspace import sandbox_uid
+from sandgate.workspace import reap_mounts, sandbox_uid
 
 def ex(gw, sid, code, timeout=120):
     return gw.run_code(sid, code, timeout)  # the SDK (conftest)
@@ -33,6 +34,11 @@ def host_processes(kernel_id):
         if any(kernel_id in a for a in (p.info["cmdline"] or [])):
             found.append(p)
     return found
+
+
+def cgroups_of(runtime):
+    """The cgroup directories runsc made for a gVisor sandbox (v1: one per controller)."""
+    return [*Path("/sys/fs/cgroup").glob(f"*/sandgate/{runtime}"), *Path("/sys/fs/cgroup/sandgate").glob(runtime)]
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +214,8 @@ def test_output_flood_keeps_the_gateway_responsive(gw, sb):
 
 
 def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
+    runtime = gw.request("GET", f"/api/sandboxes/{sb}").json()["runtime_id"]
+    assert gw.driver != "gvisor" or cgroups_of(runtime)
     procs = host_processes(sb)
     assert procs
     for p in procs:
@@ -216,6 +224,9 @@ def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
         gw.request("GET", f"/api/sandboxes/{sb}").json()), timeout=60)
     assert info["reason"], info  # says why, e.g. "VM was killed (SIGKILL)"
     wait_for(lambda: not (gw.home / "sandboxes" / sb).exists(), timeout=30)  # its leftovers are removed
+    # ... runsc's record and cgroups too (its pids may still be zombies when the gateway cleans up)
+    record = gw.home / "runtime" / "gvisor" / f"{runtime}_sandbox:{runtime}.state"
+    wait_for(lambda: not cgroups_of(runtime) and not record.exists(), timeout=30)
     r = gw.request("POST", f"/api/sandboxes/{sb}/execute", {"code": "1"})
     assert r.status in (409, 500) and "dead" in r.json()["message"], r.body
     assert gw.request("POST", f"/api/kernels/{sb}/restart").status == 200  # a new sandbox, same workspace
@@ -224,6 +235,7 @@ def test_guest_killed_from_outside_is_reported_and_recovered(gw, sb):
 
 def test_memory_limit_holds(gw):
     s = create(gw, limits={"memory_mb": 200})["id"]
+    runtime = gw.request("GET", f"/api/sandboxes/{s}").json()["runtime_id"]
     try:
         r = gw.request("POST", f"/api/sandboxes/{s}/execute", {"code": "b = bytearray(300 << 20)\nprint('allocated')"})
         body = r.json()
@@ -235,6 +247,7 @@ def test_memory_limit_holds(gw):
             info = wait_for(lambda: (lambda i: i if i["execution_state"] == "dead" else None)(
                 gw.request("GET", f"/api/sandboxes/{s}").json()), timeout=60)
             assert "memory" in info["reason"] or "killed" in info["reason"], info
+            wait_for(lambda: not cgroups_of(runtime), timeout=30)  # nothing of it is left (runsc delete ran)
         assert gw.request("GET", "/api").status == 200
         assert gw.request("POST", f"/api/kernels/{s}/restart").status == 200
         assert ex(gw, s, "print(1 + 1)").stdout == "2\n"
@@ -343,6 +356,9 @@ def test_a_gvisor_sandbox_that_ends_while_no_gateway_runs_leaves_no_runsc_record
         assert not host_processes(runtime)  # the gofer neither
     finally:
         g.stop()
+        # Its workspace stays mounted for the next gateway (the record lives on, dead); there
+        # is none here, so the test takes the mount and its loop device down itself.
+        asyncio.run(reap_mounts(g.home / "workspaces"))
 
 
 def test_a_stale_runsc_record_naming_another_process_is_left_alone(home, tmp_path):
@@ -356,6 +372,7 @@ def test_a_stale_runsc_record_naming_another_process_is_left_alone(home, tmp_pat
 
     g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false"})
     stranger = subprocess.Popen(["sleep", "300"])
+    runtime = None
     try:
         sid = g.create(driver="gvisor")["id"]
         runtime = g.request("GET", f"/api/sandboxes/{sid}").json()["runtime_id"]
@@ -380,3 +397,8 @@ def test_a_stale_runsc_record_naming_another_process_is_left_alone(home, tmp_pat
         stranger.kill()
         stranger.wait()
         g.stop()
+        # What the warning tells a person to do once that process is gone: the record and cgroups go.
+        if runtime:
+            subprocess.run(["runsc", "--root", str(g.home / "runtime" / "gvisor"), "delete", "--force", runtime],
+                           capture_output=True, timeout=60)
+            wait_for(lambda: not cgroups_of(runtime), timeout=30)

@@ -405,6 +405,11 @@ class GVisorDriver(Driver):
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue  # gone: nothing to kill there
+            if not cmdline:
+                # Exiting or a zombie not yet reaped: the sandbox that just ended (its pid cannot
+                # be anyone else's until it is reaped), or a kernel thread, which SIGKILL spares.
+                # Left alone, its record and cgroups stayed for good (every OOM-killed sandbox).
+                continue
             if not (b"runsc" in cmdline and bundle and bundle in cmdline):
                 log.warning("runsc's record of %s names pid %d, which is not its sandbox's now: left alone "
                             "(`runsc --root %s delete --force %s` once that process is gone)", sid, pid,
