@@ -267,6 +267,18 @@ def test_delete_leaves_nothing_behind(gw, sb):
     assert not any(d.exists() for d in handles)
 
 
+def test_a_checkpoint_is_refused_up_front_without_the_disk_for_it(tmp_path):
+    """Every driver asks before it stops anything: runsc stops the sandbox even when writing its
+    image fails (tests/test_checkpoints.py fills a real disk)."""
+    from sandgate.drivers.base import SandboxError, require_disk_for_checkpoint
+
+    st = os.statvfs(tmp_path)
+    require_disk_for_checkpoint(tmp_path, 1 << 20)
+    with pytest.raises(SandboxError, match=rf"not enough disk space for a checkpoint: \d+ MB free in {tmp_path}, "
+                                           r"up to \d+ MB needed"):
+        require_disk_for_checkpoint(tmp_path, st.f_bavail * st.f_frsize + (1 << 30))
+
+
 def test_reclaim_is_off_for_a_rootless_runsc_unless_asked_for():
     from sandgate.drivers.gvisor import reclaim_enabled
 

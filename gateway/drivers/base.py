@@ -50,6 +50,17 @@ class SandboxError(Exception):
     """A sandbox could not be created or has failed; the message says why."""
 
 
+def require_disk_for_checkpoint(path: Path, need: int) -> None:
+    """Refuse a checkpoint up front unless ``need`` bytes are free where its
+    image goes: a runtime that runs out of disk midway loses the sandbox
+    (runsc stops it even when writing the image fails)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise SandboxError(f"not enough disk space for a checkpoint: {free >> 20} MB free in {path}, "
+                           f"up to {need >> 20} MB needed")
+
+
 def tag(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 

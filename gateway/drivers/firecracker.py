@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec
+from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, require_disk_for_checkpoint
 from .console import ConsoleLog
 
 AGENT_PORT = 1024
@@ -505,11 +505,7 @@ class FirecrackerDriver(Driver):
         kind = "Diff" if (sb.root / MEM).exists() else "Full"
         # The memory file is as big as guest memory; a Diff may need a copy of the loaded one beside it.
         copies = 2 if kind == "Diff" and sb.shares_memory() else 1
-        need = (sb.spec.limits.memory_mb * copies + 64) << 20
-        st = os.statvfs(sb.root)
-        if st.f_bavail * st.f_frsize < need:
-            raise SandboxError(f"not enough disk space for a checkpoint: {st.f_bavail * st.f_frsize >> 20} MB "
-                               f"free in {sb.root}, {need >> 20} MB needed")
+        require_disk_for_checkpoint(sb.root, (sb.spec.limits.memory_mb * copies + 64) << 20)
         try:
             await sb.call("PATCH", "/vm", {"state": "Paused"})
         except SandboxError as e:

@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 from ..workspace import WorkspaceError, sandbox_uid
-from .base import AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix, socket_dir, tag, tail_lines
+from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
+                   require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 
 log = logging.getLogger("sandgate.gvisor")
 
@@ -456,12 +457,7 @@ class GVisorDriver(Driver):
         # full disk would kill it: refuse up front unless the image fits.
         # The image is at most the sandbox's memory in use (usually a fifth
         # compressed, all of it with SANDGATE_RUNSC_COMPRESSION=none).
-        need = (self.memory_in_use(sandbox.id) or 256 << 20) + (16 << 20)
-        st = os.statvfs(image_dir)
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            raise SandboxError(f"not enough disk space for a checkpoint: {free >> 20} MB free in "
-                               f"{image_dir.parent}, up to {need >> 20} MB needed")
+        require_disk_for_checkpoint(image_dir, (self.memory_in_use(sandbox.id) or 256 << 20) + (16 << 20))
 
     def _image_args(self, image_dir: Path) -> List[str]:
         args = ["--image-path", str(image_dir)]

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..workspace import unused_id
-from .base import AdoptedProcess, Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix, socket_dir, tag, tail_lines
+from .base import (AdoptedProcess, Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
+                   require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from .console import ConsoleLog
 
 log = logging.getLogger("sandgate.qemu")
@@ -657,11 +658,7 @@ class QemuDriver(Driver):
         assert isinstance(sandbox, QemuSandbox)
         image_dir.mkdir(parents=True, exist_ok=True)
         # Migration skips zero pages, so the state is at most the guest's RAM.
-        need = (sandbox.config["memory_mb"] << 20) + (16 << 20)
-        st = os.statvfs(image_dir)
-        if st.f_bavail * st.f_frsize < need:
-            raise SandboxError(f"not enough disk space for a checkpoint: {(st.f_bavail * st.f_frsize) >> 20} MB "
-                               f"free in {image_dir.parent}, up to {need >> 20} MB needed")
+        require_disk_for_checkpoint(image_dir, (sandbox.config["memory_mb"] << 20) + (16 << 20))
         qmp = sandbox.qmp
         state = image_dir / "state.mig"
         try:
