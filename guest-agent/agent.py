@@ -1003,31 +1003,13 @@ class Agent:
                 pass
         self.restored_at = repr(a.clock).encode()
         reseed_kernel_random(self.restored_at, host_entropy(a.entropy))
-        # The setup's cell (shell) runs while kernel_info (control) checks the kernel.
-        setup = asyncio.ensure_future(self.setup(a.setup)) if a.setup is not None else None
-        try:
+        info, setup = await self._restored_kernel(a.setup)
+        if setup is not None:
             try:
-                info = await self.kernel_info(deadline=5)
-            except RuntimeError:
-                log("kernel sockets did not survive the restore; reconnecting")
-                if setup is not None:  # its cell went to the old sockets: it is sent again on the new ones
-                    setup.cancel()
-                    await asyncio.gather(setup, return_exceptions=True)
-                    setup = None
-                self.connect_kernel()
-                info = await self.kernel_info()
-                if a.setup is not None:
-                    setup = asyncio.ensure_future(self.setup(a.setup))
-            if setup is not None:
-                try:
-                    await setup
-                    info = {**info, "setup": True}
-                except Exception as e:  # the sandbox's failure, not the restore's: said apart
-                    info = {**info, "setup": False, "setup_error": f"{type(e).__name__}: {e}"}
-        except BaseException:
-            if setup is not None and not setup.done():
-                setup.cancel()
-            raise
+                await setup
+                info = {**info, "setup": True}
+            except Exception as e:  # the sandbox's failure, not the restore's: said apart
+                info = {**info, "setup": False, "setup_error": f"{type(e).__name__}: {e}"}
         self.ready.set()
         # The listener was closed before the checkpoint: open it again (or keep it closed).
         # A failure here costs the sandbox its egress, not its restore.
@@ -1037,6 +1019,28 @@ class Agent:
             log(f"could not restore egress: {type(e).__name__}: {e}")
             info = {**info, "egress_error": f"{type(e).__name__}: {e}"}
         return info, b""
+
+    async def _restored_kernel(self, setup) -> tuple:
+        """The restored kernel's kernel_info (on control), with ``setup``'s cell
+        (if any) sent on shell meanwhile. If the kernel's sockets did not
+        survive the restore, they are made anew and the setup is sent again on
+        them (its cell went to the old ones). Returns the info and the setup's
+        task, or None without a setup: the caller awaits it."""
+        task = asyncio.ensure_future(self.setup(setup)) if setup is not None else None
+        try:
+            return await self.kernel_info(deadline=5), task
+        except RuntimeError:
+            log("kernel sockets did not survive the restore; reconnecting")
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        except BaseException:
+            if task is not None:
+                task.cancel()
+            raise
+        self.connect_kernel()
+        info = await self.kernel_info()
+        return info, asyncio.ensure_future(self.setup(setup)) if setup is not None else None
 
     async def set_egress(self, a) -> dict:
         env = await self.egress.apply(a.port, a.ca_pem)

@@ -216,6 +216,52 @@ def test_reconnect_with_setup_makes_the_kernel_its_own_in_one_request(agent):
     asyncio.run(main())
 
 
+def test_a_restored_kernel_whose_sockets_are_lost_gets_new_ones_and_the_setup_again():
+    """After a restore the agent checks the kernel (kernel_info, 5 s) while the setup's cell runs. If
+    the kernel's sockets did not survive, the setup sent on them is cancelled, the sockets are made
+    anew and the setup is sent again on them; if the check itself is cancelled, so is the setup."""
+    from sandgate_agent.agent import Agent
+
+    async def main():
+        agent = Agent.__new__(Agent)  # no kernel: its three steps are stood in for
+        calls, setups, answers = [], [], []
+        never = asyncio.Event()
+
+        async def kernel_info(deadline=None):
+            calls.append(("kernel_info", deadline))
+            await asyncio.sleep(0)  # a request's round trip: the setup's task runs meanwhile
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        async def setup(args):
+            setups.append(asyncio.current_task())
+            if len(setups) == 1:
+                await never.wait()  # its cell went to the lost sockets: no answer comes
+
+        agent.kernel_info, agent.setup = kernel_info, setup
+        agent.connect_kernel = lambda: calls.append(("connect",))
+        answers[:] = [RuntimeError("no kernel_info_reply"), {"status": "ok"}]
+        info, task = await asyncio.wait_for(agent._restored_kernel({"env": {"A": "1"}}), 10)
+        assert info == {"status": "ok"} and calls == [("kernel_info", 5), ("connect",), ("kernel_info", None)]
+        await asyncio.wait_for(task, 10)
+        assert len(setups) == 2 and setups[0].cancelled() and task is setups[1]
+
+        calls.clear(), setups.clear()
+        answers[:] = [{"status": "ok"}]
+        info, task = await agent._restored_kernel(None)  # a resume: no setup
+        assert info == {"status": "ok"} and task is None and calls == [("kernel_info", 5)] and not setups
+
+        answers[:] = [asyncio.CancelledError()]
+        with pytest.raises(asyncio.CancelledError):
+            await agent._restored_kernel({"env": {}})
+        await asyncio.gather(*setups, return_exceptions=True)
+        assert len(setups) == 1 and setups[0].cancelled()
+
+    asyncio.run(main())
+
+
 def test_the_kernel_starts_without_debugpy_jedi_or_prompt_toolkit_and_each_still_works(agent):
     """ipykernel and IPython would import debugpy, jedi and prompt_toolkit at
     start (~10 MB of heap in every sandbox and checkpoint, none of it used by
