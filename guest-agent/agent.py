@@ -1037,6 +1037,7 @@ class Agent:
         except BaseException:
             if task is not None:
                 task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
             raise
         self.connect_kernel()
         info = await self.kernel_info()

@@ -51,7 +51,7 @@ def _die_with_agent() -> None:
 # its own: refused while ipykernel loads, importable again afterwards. debugpy
 # (and pydevd) come with ipykernel's debugger module, which is off here
 # (``_patch``); jedi comes with IPython's completer and is loaded at the first
-# completion instead (``_lazy_jedi``).
+# completion instead (``_jedi_later``).
 REFUSED = ("debugpy", "jedi")
 
 
@@ -59,10 +59,10 @@ def _lean_imports() -> None:
     """Load ipykernel without the modules in ``REFUSED`` and without
     prompt_toolkit: IPython's package imports its terminal ``embed`` (and the
     terminal shell, prompt_toolkit with it), which a kernel never uses. Those
-    three are ~10 MB of the kernel's heap (and more of mapped files) in every
-    sandbox, every checkpoint and every restore (docs/performance.md). ``IPython.embed`` still works: it
-    loads the real one when called. Anything that imports these modules later
-    (a cell, a completion) gets them as usual."""
+    three are ~10 MB of the kernel's heap, and a checkpoint ~13 MB smaller
+    with the files they map (docs/performance.md). ``IPython.embed`` is the
+    real function, imported when first looked up (``_embed_later``). Anything
+    that imports these modules later (a cell, a completion) gets them as usual."""
     refused = [m for m in REFUSED if m not in sys.modules]
     for m in refused:
         sys.modules[m] = None  # type: ignore[assignment]  # the import system's "refuse this"
@@ -76,19 +76,22 @@ def _lean_imports() -> None:
         for m in refused:
             if sys.modules.get(m, 0) is None:
                 del sys.modules[m]
-        if stub is not None and sys.modules.get(stub.__name__) is stub:
-            del sys.modules[stub.__name__]
+        if stub is not None:
+            if sys.modules.get(stub.__name__) is stub:
+                del sys.modules[stub.__name__]
+            _embed_later(stub)
 
 
 def _embed_stub():
-    """Stands in for ``IPython.terminal.embed`` while IPython's package loads;
-    its ``embed`` (``IPython.embed``) imports the real module when called."""
+    """Stands in for ``IPython.terminal.embed`` while IPython's package loads
+    (it does ``from .terminal.embed import embed``); ``_embed_later`` then
+    takes its ``embed`` out of the package again."""
     import types
 
     stub = types.ModuleType("IPython.terminal.embed")
 
-    def embed(*args, **kwargs):
-        from IPython.terminal.embed import embed as real  # the stub is out of sys.modules by now
+    def embed(*args, **kwargs):  # only until _embed_later: never left bound
+        from IPython.terminal.embed import embed as real
 
         return real(*args, **kwargs)
 
@@ -97,36 +100,78 @@ def _embed_stub():
     return stub
 
 
-def _lazy_jedi() -> bool:
-    """IPython's completer, loaded without jedi (``_lean_imports``), imports it
-    at its first completion and then completes as it would have. Returns
-    whether that is set up: jedi is installed and was not loaded already."""
+def _embed_later(stub) -> None:
+    """``IPython.embed`` as the package's lazy attribute (PEP 562): the real
+    function, imported at its first lookup and bound from then on. A wrapper
+    left in its place would be one frame too many: ``embed`` takes its
+    caller's namespace by frame depth."""
+    IPython = sys.modules.get("IPython")
+    if IPython is None or IPython.__dict__.get("embed") is not stub.embed:
+        return
+    del IPython.embed
+    previous = IPython.__dict__.get("__getattr__")
+
+    def __getattr__(name):
+        if name == "embed":
+            from IPython.terminal.embed import embed
+
+            IPython.embed = embed
+            return embed
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module 'IPython' has no attribute {name!r}")
+
+    IPython.__getattr__ = __getattr__
+
+
+def _load_jedi(completer) -> None:
+    """What IPython's completer does at its import when jedi is there."""
+    import jedi
+    import jedi.api.classes  # noqa: F401
+    import jedi.api.helpers  # noqa: F401
+
+    jedi.settings.case_insensitive_completion = False
+    completer.jedi = jedi
+    completer.JEDI_INSTALLED = True
+
+
+def _jedi_later() -> None:
+    """IPython's completer, loaded without jedi (``_lean_imports``), imports
+    it at its first completion and completes with it, as it would have.
+    Nothing if jedi is not installed (IPython's own completions, as before) or
+    was loaded anyway; an IPython without the method wrapped here gets jedi
+    now, as before."""
     import importlib.util
 
     from IPython.core import completer
 
     if getattr(completer, "jedi", None) is not None or importlib.util.find_spec("jedi") is None:
-        return False  # loaded as usual, or not installed: IPython's own completions, as before
+        return
     cls = completer.IPCompleter
-    jedi_matches = cls._jedi_matches
+    jedi_matches = getattr(cls, "_jedi_matches", None)
+    if jedi_matches is None:
+        _load_jedi(completer)
+        return
 
     def _jedi_matches(self, *args, **kwargs):
         if getattr(completer, "jedi", None) is None:
             try:
-                import jedi
-                import jedi.api.classes  # noqa: F401  (what the completer's own import loads)
-                import jedi.api.helpers  # noqa: F401
-
-                jedi.settings.case_insensitive_completion = False
+                _load_jedi(completer)
             except Exception:  # a broken jedi: IPython's own completions from now on
                 self.use_jedi = False
                 return []
-            completer.jedi = jedi
-            completer.JEDI_INSTALLED = True
         return jedi_matches(self, *args, **kwargs)
 
+    # use_jedi's default was read as False (no jedi at import): on, unless configured.
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if "use_jedi" not in self.config.get(cls.__name__, {}):
+            self.use_jedi = True
+
     cls._jedi_matches = _jedi_matches
-    return True
+    cls.__init__ = __init__
 
 
 def _patch() -> None:
@@ -438,9 +483,8 @@ def main() -> None:
     _lean_imports()
     _patch()
     try:
-        if _lazy_jedi():  # jedi completes as before, once it is loaded
-            sys.argv.append("--IPCompleter.use_jedi=True")
-    except Exception:  # another IPython's internals: it imported jedi itself, or completes without it
+        _jedi_later()
+    except Exception:  # IPython's completer did not load: no completions to make either way
         pass
     app = None
     if end is not None:

@@ -254,6 +254,18 @@ class GVisorSandbox(ProcessSandbox):
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
+PF_EXITING, PF_KTHREAD = 0x4, 0x200000  # include/linux/sched.h
+
+
+def _exiting(pid: int) -> bool:
+    """Whether process ``pid`` is exiting or a zombie (not a kernel thread:
+    some take SIGKILL). Raises OSError when it is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+    state, flags = fields[0], int(fields[6])
+    return not flags & PF_KTHREAD and (state in ("Z", "X") or bool(flags & PF_EXITING))
+
+
 def reclaim_enabled(setting: str, rootless: bool, runsc_date: int) -> bool:
     """`auto` is on as root with a runsc older than directfs. As root (with
     --network=none) the Sentry runs as nobody in an empty read-only tmpfs root
@@ -404,12 +416,14 @@ class GVisorDriver(Driver):
                 continue
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                ending = _exiting(pid)
             except OSError:
                 continue  # gone: nothing to kill there
-            if not cmdline:
-                # Exiting or a zombie not yet reaped: the sandbox that just ended (its pid cannot
-                # be anyone else's until it is reaped), or a kernel thread, which SIGKILL spares.
-                # Left alone, its record and cgroups stayed for good (every OOM-killed sandbox).
+            if ending:
+                # Exiting or a zombie (typically the sandbox that just ended, not yet reaped): a
+                # SIGKILL does nothing to it, so runsc delete can do no harm. Read as a stranger's
+                # (its command line is empty), the record and cgroups of every sandbox killed from
+                # outside or by its memory limit stayed behind.
                 continue
             if not (b"runsc" in cmdline and bundle and bundle in cmdline):
                 log.warning("runsc's record of %s names pid %d, which is not its sandbox's now: left alone "
