@@ -195,6 +195,29 @@ def test_restart_keeps_files_and_drops_variables(gw, sb):
     assert ex(gw, sb, "x = 41").status == "ok"  # a restart leaves a kernel that works
 
 
+def test_a_completion_loads_jedi_and_completes_with_it(gw, sb):
+    """The image's kernel (IPython 8.5) starts without jedi and IPython's terminal (less to
+    checkpoint and restore); the first complete_request loads jedi and its answer is jedi's
+    (a type per match), and IPython.embed is the real function."""
+    loaded = "import sys\nprint(sorted(m for m in ('jedi', 'prompt_toolkit', 'debugpy') if m in sys.modules))"
+    assert ex(gw, sb, loaded).stdout == "[]\n"
+    c = gw.connect(sb)
+    code = "import collections\ncollections.Ordered"
+    mid = c.send("complete_request", {"code": code, "cursor_pos": len(code)})
+    while True:
+        m = c.recv(180)
+        if m["parent_header"].get("msg_id") == mid and m["msg_type"] == "complete_reply":
+            break
+    c.close()
+    reply = m["content"]
+    assert reply["status"] == "ok" and "OrderedDict" in reply["matches"], reply
+    types = {t["text"]: t["type"] for t in reply["metadata"]["_jupyter_types_experimental"]}
+    assert types["OrderedDict"] == "class", types  # jedi's inference
+    assert ex(gw, sb, loaded).stdout == "['jedi']\n"
+    out = ex(gw, sb, "import IPython, IPython.terminal.embed as e\nprint(IPython.embed is e.embed)").stdout
+    assert out == "True\n"
+
+
 def test_output_flood_keeps_the_gateway_responsive(gw, sb):
     c = gw.connect(sb)
     mid = c.send("execute_request", {"code": "import sys\nfor i in range(20000): sys.stdout.write('y' * 999 + '\\n')",
