@@ -63,6 +63,24 @@ class Response:
         return json.loads(self.body)
 
 
+LIVE_GATEWAYS: list = []  # for the log tails a failing test's report carries
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure in CI is often seen once: its report carries the last lines of every
+    gateway still running, which say what the gateway and its sandboxes did."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for gw in list(LIVE_GATEWAYS):
+            try:
+                tail = "\n".join(gw.log_text().splitlines()[-80:])
+            except OSError as e:
+                tail = f"(unreadable: {e})"
+            report.sections.append((f"gateway on port {gw.port}, its log's last lines", tail))
+
+
 class Gateway:
     """A running `sandgate serve` and a small HTTP client for it."""
 
@@ -81,17 +99,20 @@ class Gateway:
         full_env = {**os.environ, "SANDGATE_HOME": str(self.home), "SANDGATE_TOKEN": token,
                     "SANDGATE_KEEP_SANDBOXES": "false", **(env or {})}
         self.log = open(self.log_path, "w")
+        LIVE_GATEWAYS.append(self)
         self.proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), *args],
                                      env=full_env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                LIVE_GATEWAYS.remove(self)  # its log is in the error
                 raise RuntimeError(f"gateway exited: {self.log_text()}")
             try:
                 if self.request("GET", "/api").status == 200:
                     return
             except OSError:
                 time.sleep(0.2)
+        LIVE_GATEWAYS.remove(self)
         raise RuntimeError(f"gateway did not come up: {self.log_text()}")
 
     def log_text(self) -> str:
@@ -147,6 +168,8 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+        if self in LIVE_GATEWAYS:
+            LIVE_GATEWAYS.remove(self)
 
 
 class KernelClient:
