@@ -330,6 +330,34 @@ def test_a_runsc_record_naming_a_zombie_is_acted_on_and_one_naming_a_stranger_is
         zombie.wait()
 
 
+def test_cgroups_runsc_made_before_it_recorded_a_sandbox_go_with_the_runtime(tmp_path):
+    """A runtime torn down after runsc made its cgroups but before runsc recorded it has no
+    record for `runsc delete` to act on: the driver's delete (at destroy) and its reap (at the
+    next gateway's start, which finds the runtime's socket directory) remove the cgroups."""
+    from test_shim import make_cgroups
+
+    from sandgate.drivers.base import SandboxSpec
+    from sandgate.drivers.gvisor import GVisorDriver, cgroup_name
+
+    drv = GVisorDriver(str(tmp_path / "home" / "runtime" / "gvisor"))
+    destroyed, left = (f"sg-drvtest-{os.urandom(4).hex()}" for _ in range(2))
+    made = make_cgroups(cgroup_name(destroyed)) + make_cgroups(cgroup_name(left))
+    sockets = socket_dir(drv.home, left, "g")
+    sockets.mkdir(mode=0o700)
+    spec = SandboxSpec(id=left, rootfs=tmp_path, agent_dir=tmp_path, workspace=tmp_path, state_dir=tmp_path)
+    (sockets / "spec.json").write_text(spec.model_dump_json())
+    try:
+        assert not drv._record(destroyed).exists()
+        asyncio.run(drv.delete(destroyed))
+        assert [d.name for d in made if d.exists()] == [left] * (len(made) // 2)
+        assert asyncio.run(drv.reap()) == 0  # runsc has no record of either
+        assert not [d for d in made if d.exists()] and not sockets.exists()
+    finally:
+        for d in made:
+            if d.exists():
+                d.rmdir()
+
+
 def test_reclaim_is_off_for_a_rootless_runsc_unless_asked_for():
     from sandgate.drivers.gvisor import reclaim_enabled
 

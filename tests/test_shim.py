@@ -114,14 +114,15 @@ if how == "dies-after-start":  # as a runsc killed (say, by the memory cgroup it
 '''
 
 
-def shim_argv(tmp: Path, detached: str = "") -> list:
+def shim_argv(tmp: Path, detached: str = "", cgroup: str = "") -> list:
     runtime, options = [sys.executable, "-c", RUNTIME], []
     if detached:
         runtime = [sys.executable, "-c", LAUNCHER, str(tmp / "sandbox.pid"), detached, RUNTIME]
         # the cleanup (runsc delete) notes which of the launcher's processes were still there when it ran
         cleanup = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write(repr(sorted(os.listdir('/proc'))))",
                    str(tmp / "cleaned-up")]
-        options = ["--detached", str(tmp / "sandbox.pid"), "--cleanup", *cleanup]
+        options = ["--detached", str(tmp / "sandbox.pid"), *(["--cgroup", cgroup] if cgroup else []),
+                   "--cleanup", *cleanup]
     return [sys.executable, "-I", "-S", str(SHIM), str(tmp / "shim.sock"), str(tmp / "status"), *options, "--", *runtime]
 
 
@@ -384,3 +385,39 @@ def test_a_launcher_that_dies_after_starting_the_sandbox_leaves_nothing_running(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def make_cgroups(name: str) -> list:
+    """Empty cgroups ``name`` in the memory and pids hierarchies (v1) or the unified one (v2),
+    as runsc makes them for a sandbox before it has recorded it."""
+    root = Path("/sys/fs/cgroup")
+    dirs = [root / "memory" / name, root / "pids" / name] if (root / "memory").is_dir() else [root / name]
+    for d in dirs:
+        d.mkdir(parents=True)
+    return dirs
+
+
+def test_a_launcher_stopped_before_runsc_recorded_its_sandbox_leaves_no_cgroups(tmp_path):
+    """runsc makes the sandbox's cgroups first; a launcher that fails (or is killed) before it
+    records the sandbox leaves them to no `runsc delete`. The shim removes them as it ends,
+    except one that a process still holds: the kernel refuses that rmdir."""
+    empty, busy = (f"sandgate/sg-shimtest-{os.urandom(4).hex()}" for _ in range(2))
+    made = make_cgroups(empty) + make_cgroups(busy)
+    holder = subprocess.Popen(["sleep", "300"])
+    held = made[2]  # busy's first: memory (v1) or its only one (v2)
+    (held / "cgroup.procs").write_text(str(holder.pid))
+    try:
+        for name in (empty, busy):
+            (tmp_path / name).mkdir(parents=True)
+            proc = subprocess.Popen(shim_argv(tmp_path / name, "fail", cgroup=name), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            assert proc.wait(timeout=30) == 3
+        assert [d for d in made if d.exists()] == [held]
+        assert (held / "cgroup.procs").read_text().split() == [str(holder.pid)]
+    finally:
+        holder.kill()
+        holder.wait()
+        for d in made:
+            if d.exists():
+                wait_for(lambda: not (d / "cgroup.procs").read_text().strip(), timeout=30)
+                d.rmdir()

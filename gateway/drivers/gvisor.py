@@ -50,6 +50,7 @@ from typing import Iterable, List, Optional, Tuple
 from ..workspace import WorkspaceError, sandbox_uid
 from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
                    require_disk_for_checkpoint, socket_dir, tag, tail_lines)
+from .shim import remove_cgroups
 
 log = logging.getLogger("sandgate.gvisor")
 
@@ -128,6 +129,11 @@ def no_namespaces() -> dict:
     }
 
 
+def cgroup_name(runtime_id: str) -> str:
+    """The runtime's cgroups, under this name in every hierarchy."""
+    return f"sandgate/{runtime_id}"
+
+
 def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
     env = {**BASE_ENV, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, **spec.env}
     lim = spec.limits
@@ -165,7 +171,7 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
             "seccomp": no_namespaces(),
-            "cgroupsPath": f"/sandgate/{spec.id}",
+            "cgroupsPath": "/" + cgroup_name(spec.id),
             "resources": {
                 "memory": {"limit": lim.memory_mb << 20},
                 "pids": {"limit": lim.pids},
@@ -208,7 +214,8 @@ class GVisorSandbox(ProcessSandbox):
         with open(self.log_path, "ab") as stderr:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"),
-                "--detached", pidfile, "--cleanup", *self.driver.runsc_args(), "delete", "--force", self.id, "--",
+                "--detached", pidfile, "--cgroup", cgroup_name(self.id),
+                "--cleanup", *self.driver.runsc_args(), "delete", "--force", self.id, "--",
                 *self.driver.runsc_args(), *verb, "--detach", "--pid-file", pidfile, "--bundle", str(bundle), self.id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
                 start_new_session=True)
@@ -383,10 +390,14 @@ class GVisorDriver(Driver):
         for sid in ids if code == 0 else []:
             if self._names_its_sandbox(sid):
                 await self.runsc("kill", sid, "KILL")
-                await self.runsc("delete", "--force", sid)
+                await self.delete(sid)
         kept = {socket_dir(self.home, i, "g") for i in keep}
         for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
             if d not in kept:
+                try:  # a runtime stopped before runsc recorded it: only its cgroups say it was there
+                    remove_cgroups(cgroup_name(SandboxSpec.model_validate_json((d / "spec.json").read_text()).id))
+                except (OSError, ValueError):
+                    pass
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
 
@@ -396,9 +407,14 @@ class GVisorDriver(Driver):
 
     async def delete(self, sid: str) -> None:
         """`runsc delete --force`, if runsc still has a record of the sandbox (its shim
-        deletes it when the sandbox ends) and that record names no other process."""
-        if self._record(sid).exists() and self._names_its_sandbox(sid):
+        deletes it when the sandbox ends) and that record names no other process; then
+        its cgroups, which a launcher stopped before runsc recorded the sandbox leaves
+        behind (runtime ids are never reused, and a cgroup in use is not removed)."""
+        if self._record(sid).exists():
+            if not self._names_its_sandbox(sid):
+                return
             await self.runsc("delete", "--force", sid)
+        remove_cgroups(cgroup_name(sid))
 
     def _names_its_sandbox(self, sid: str) -> bool:
         """Whether runsc's record of ``sid`` is safe to act on: `runsc delete` SIGKILLs the
@@ -434,8 +450,8 @@ class GVisorDriver(Driver):
 
     @staticmethod
     def memory_in_use(sandbox_id: str) -> Optional[int]:
-        for path in (f"/sys/fs/cgroup/memory/sandgate/{sandbox_id}/memory.usage_in_bytes",  # cgroup v1
-                     f"/sys/fs/cgroup/sandgate/{sandbox_id}/memory.current"):  # v2
+        for path in (f"/sys/fs/cgroup/memory/{cgroup_name(sandbox_id)}/memory.usage_in_bytes",  # cgroup v1
+                     f"/sys/fs/cgroup/{cgroup_name(sandbox_id)}/memory.current"):  # v2
             try:
                 return int(Path(path).read_text())
             except (OSError, ValueError):
@@ -525,8 +541,8 @@ class GVisorDriver(Driver):
         await self._set_frozen(sandbox.id, False)
 
     async def _set_frozen(self, sandbox_id: str, frozen: bool) -> None:
-        v1 = Path(f"/sys/fs/cgroup/freezer/sandgate/{sandbox_id}/freezer.state")
-        v2 = Path(f"/sys/fs/cgroup/sandgate/{sandbox_id}/cgroup.freeze")
+        v1 = Path(f"/sys/fs/cgroup/freezer/{cgroup_name(sandbox_id)}/freezer.state")
+        v2 = Path(f"/sys/fs/cgroup/{cgroup_name(sandbox_id)}/cgroup.freeze")
         if v1.exists():
             control, want, done = v1, "FROZEN" if frozen else "THAWED", lambda: v1.read_text().strip() == want
         elif v2.exists():

@@ -16,7 +16,7 @@ and a frame that starts while no gateway is connected waits for the next one.
 When the runtime exits, its exit status (negative for a signal, as in
 subprocess) goes to the file STATUS and the shim exits.
 
-    python shim.py SOCKET STATUS --detached PIDFILE [--cleanup CMD ...] -- runsc ... run --detach --pid-file PIDFILE ...
+    python shim.py SOCKET STATUS --detached PIDFILE [--cgroup NAME] [--cleanup CMD ...] -- runsc ... run --detach --pid-file PIDFILE ...
 
 With --detached the runtime is a launcher that starts the sandbox, writes its
 pid to PIDFILE and exits 0 (runsc --detach: no Go process per sandbox left
@@ -27,7 +27,10 @@ sandbox ended, the shim does then: it waits a moment for the rest of what
 the launcher started (the gofer) and kills what is left, all of it at once if
 the launcher failed, so nothing outlives the shim; and it runs CMD (`runsc
 delete --force ID`), so that runsc's record of the sandbox, which names its
-pids, is gone before those pids can be reused.
+pids, is gone before those pids can be reused. Then it removes the cgroups
+NAME (``sandgate/ID``) in every hierarchy: runsc makes them before it has a
+record of the sandbox, so a launcher stopped in between leaves them to no
+`runsc delete`.
 
 Standard library only and run by path, not imported with the package: it
 lives as long as its sandbox, one per sandbox, so it is one thread on
@@ -371,6 +374,18 @@ def clean_up(argv: list, timeout: float = 30.0) -> None:
     end_children(0)  # whatever it left behind
 
 
+def remove_cgroups(name: str) -> None:
+    """rmdir ``name`` (``sandgate/<runtime id>``) in every cgroup hierarchy, v1 and v2.
+    The kernel refuses to remove a cgroup that still holds a process or a child
+    cgroup, so this never takes one from a sandbox that is still there."""
+    import glob  # only here: most shims never get this far
+    for d in glob.glob(f"/sys/fs/cgroup/*/{name}") + glob.glob(f"/sys/fs/cgroup/{name}"):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
 def become_subreaper() -> None:
     """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
     import ctypes  # only here: the plain shim does without its memory
@@ -379,7 +394,7 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = ()) -> int:
+def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = (), cgroup: str = "") -> int:
     if pidfile:
         become_subreaper()
         if os.path.exists(pidfile):
@@ -410,6 +425,8 @@ def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = 
         end_children(5.0 if sandbox_ended else 0.0)
         if cleanup:
             clean_up(list(cleanup))
+        if cgroup:
+            remove_cgroups(cgroup)
     tmp = status + ".tmp"
     with open(tmp, "w") as f:
         f.write(str(code))
@@ -422,5 +439,6 @@ if __name__ == "__main__":
     options = sys.argv[3:sep]
     detached = options[options.index("--detached") + 1] if "--detached" in options else ""
     cleanup = options[options.index("--cleanup") + 1:] if "--cleanup" in options else []
-    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached, cleanup)
+    cgroup = options[options.index("--cgroup") + 1] if "--cgroup" in options[:len(options) - len(cleanup)] else ""
+    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached, cleanup, cgroup)
     sys.exit(rc if rc >= 0 else 128 - rc)
