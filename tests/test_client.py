@@ -60,7 +60,7 @@ def test_run_code_streams_and_types_its_results(gw):
 
         png = sb.run_code("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
                           "%matplotlib inline\nplt.plot([1, 2, 3]); plt.show()", timeout=120)
-        assert png.error is None, png.error
+        assert png.status == "ok" and png.error is None, (png.status, png.error)  # not "aborted" after the error
         assert any(r.png_bytes and r.png_bytes.startswith(b"\x89PNG") for r in png.results), str(png.outputs)[:2000]
         sid = sb.id
     # The context manager deleted it.

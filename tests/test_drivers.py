@@ -218,6 +218,40 @@ def test_a_completion_loads_jedi_and_completes_with_it(gw, sb):
     assert out == "True\n"
 
 
+def test_a_cell_sent_once_the_one_before_failed_runs_however_soon_it_arrives(gw, sb):
+    """A failed cell (``stop_on_error``) aborts the requests already waiting in the kernel, not
+    one sent after its idle status. Here the kernel stalls right after that idle until the next
+    request is in its pipe: ipykernel 6.17's own abort, ended by a timer that runs after the
+    loop's next read, aborted it every time (in CI, the stall of a busy machine did it once)."""
+    stall = ("import select\n_k = get_ipython().kernel\n_publish = _k._publish_status\n"
+             "def _stalling(status, channel, parent=None):\n"
+             "    _publish(status, channel, parent)\n"
+             "    if status == 'idle' and channel == 'shell' and _k._aborting:\n"
+             "        assert select.select([_k.shell_stream.end.fileno()], [], [], 60)[0]\n"
+             "_k._publish_status = _stalling\n"
+             "print(type(_k.shell_stream).__name__)")
+    assert ex(gw, sb, stall).stdout == "PipeStream\n"
+    try:
+        for _ in range(3):
+            failed = ex(gw, sb, "1 / 0")
+            assert failed.status == "error" and failed.error.ename == "ZeroDivisionError"
+            after = ex(gw, sb, "print('ran')")
+            assert (after.status, after.stdout) == ("ok", "ran\n"), (after.status, after.outputs)
+    finally:
+        assert ex(gw, sb, "_k._publish_status = _publish").status == "ok"
+    # One already waiting when a cell fails is still aborted, as Jupyter's clients expect.
+    c = gw.connect(sb)
+    first = c.send("execute_request", {"code": "import time\ntime.sleep(1)\n1 / 0", "silent": False})
+    queued = c.send("execute_request", {"code": "print('queued')", "silent": False})
+    replies = {}
+    while len(replies) < 2:
+        m = c.recv(120)
+        if m["msg_type"] == "execute_reply":
+            replies[m["parent_header"]["msg_id"]] = m["content"]["status"]
+    c.close()
+    assert replies == {first: "error", queued: "aborted"}
+
+
 def test_output_flood_keeps_the_gateway_responsive(gw, sb):
     c = gw.connect(sb)
     mid = c.send("execute_request", {"code": "import sys\nfor i in range(20000): sys.stdout.write('y' * 999 + '\\n')",
