@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Union
 from . import _api as api
 from .errors import SandboxDied
 from .models import Execution, ExecutionError
-from .protocol import V1, output_of, pack_v1
+from .protocol import ABORTED, V1, output_of, pack_v1
 PROTOCOLS = ("legacy", "v1")
 
 
@@ -124,8 +124,7 @@ class Collector:
         ex.execution_count = reply.get("execution_count")
         ex.status = {"error": "error", "aborted": "aborted"}.get(reply.get("status"), "ok")
         if ex.status == "aborted":  # ipykernel dropped it: an earlier cell failed or was interrupted
-            ex.error = ExecutionError("Aborted", "the kernel aborted this request (an earlier request in its queue "
-                                                 "failed or was interrupted)")
+            ex.error = ExecutionError("Aborted", ABORTED)
         if reply.get("status") == "error" and ex.error is None:
             ex.error = ExecutionError(reply.get("ename", ""), reply.get("evalue", ""), reply.get("traceback", []))
         return api.finish(ex, timeout)

@@ -81,7 +81,7 @@ class ExecutionError:
 
 @dataclass
 class Execution:
-    """One cell's outcome. ``status`` is ok, error or timeout; ``outputs`` keeps the
+    """One cell's outcome. ``status`` is ok, error, timeout or aborted; ``outputs`` keeps the
     gateway's output dicts in order (``type``: stream, execute_result, display_data, error)."""
 
     status: str = "ok"

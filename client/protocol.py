@@ -21,6 +21,10 @@ def pack_v1(channel: str, parts: Sequence[bytes]) -> bytes:
     return struct.pack(f"<{len(offsets) + 1}Q", len(offsets), *offsets) + ch + b"".join(parts)
 
 
+# What a request ipykernel did not run says (stop_on_error: the cell before it failed or was interrupted).
+ABORTED = "the kernel did not run this cell: a cell ahead of it in the kernel's queue failed or was interrupted"
+
+
 def output_of(msg_type: str, content: dict) -> Optional[dict]:
     """A Jupyter iopub message as the sandbox API's output dict; None for what is not output."""
     if msg_type == "stream":

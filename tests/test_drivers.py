@@ -248,8 +248,17 @@ def test_a_cell_sent_once_the_one_before_failed_runs_however_soon_it_arrives(gw,
         m = c.recv(120)
         if m["msg_type"] == "execute_reply":
             replies[m["parent_header"]["msg_id"]] = m["content"]["status"]
-    c.close()
     assert replies == {first: "error", queued: "aborted"}
+    # The sandbox API's execute says so too, with an error that names it.
+    running = c.send("execute_request", {"code": "import time\ntime.sleep(1)\n1 / 0", "silent": False})
+    while True:  # it runs: what comes now waits behind it
+        m = c.recv(120)
+        if m["msg_type"] == "execute_input" and m["parent_header"]["msg_id"] == running:
+            break
+    behind = ex(gw, sb, "print('behind')")
+    c.close()
+    assert behind.status == "aborted" and behind.stdout == "" and behind.error.ename == "Aborted", behind.error
+    assert "did not run this cell" in behind.error.evalue
 
 
 def test_output_flood_keeps_the_gateway_responsive(gw, sb):

@@ -38,7 +38,7 @@ from . import states
 from .errors import Conflict, LimitReached, SetupFailed, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
-from .messages import error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
+from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
 from .record import SandboxRecord
 from .states import State
 from .tunnel import DEFAULT_PORT
@@ -1018,6 +1018,8 @@ class Sandbox:
         error = next((o for o in outputs if o["type"] == "error"), None)
         if error is None and reply and reply.get("status") == "error":
             error = output_of("error", reply)  # e.g. DeadKernelError: in the reply only
+        if error is None and reply and reply.get("status") == "aborted":
+            error = output_of("error", {"ename": "Aborted", "evalue": ABORTED})
         return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
                 "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
                 "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
