@@ -257,6 +257,11 @@ class Callbacks:
         elif kind == "error":
             self._call(self.on_error, self.live.error)
 
+    def ended(self, ex: Execution) -> None:
+        """An error only the kernel's reply carried (Aborted, DeadKernelError) reaches on_error too."""
+        if ex.error is not None and not any(o.get("type") == "error" for o in ex.outputs):
+            self._call(self.on_error, ex.error)
+
 
 def finish(ex: Execution, timeout: float) -> Execution:
     """Turn what the cell ended as into an exception where the SDK promises one."""
@@ -284,6 +289,7 @@ def stream_event(cb: Callbacks, event: str, data: str) -> Optional[Execution]:
     if event == "result":
         ex = Execution.from_json(d)
         ex.reran = cb.reran
+        cb.ended(ex)
         return ex
     if event == "error":
         raise error_from(None, d)

@@ -127,6 +127,7 @@ class Collector:
             ex.error = ExecutionError("Aborted", ABORTED)
         if reply.get("status") == "error" and ex.error is None:
             ex.error = ExecutionError(reply.get("ename", ""), reply.get("evalue", ""), reply.get("traceback", []))
+        self.cb.ended(ex)
         return api.finish(ex, timeout)
 
 

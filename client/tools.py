@@ -206,7 +206,7 @@ def execution_result(ex: Execution) -> ToolResult:
     data = {"status": ex.status, "execution_count": ex.execution_count, "stdout": _cut(ex.stdout),
             "stderr": _cut(ex.stderr), "result": ex.text, "images": images,
             "error": {"ename": ex.error.ename, "evalue": ex.error.evalue} if ex.error else None}
-    return ToolResult(content, ex.error is not None, data)
+    return ToolResult(content, ex.error is not None or ex.status != "ok", data)
 
 
 # -- the dispatcher ---------------------------------------------------------------

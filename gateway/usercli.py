@@ -95,7 +95,7 @@ def cmd_exec(args) -> int:
         if r.is_main_result and r.text is not None:
             print(r.text)
     if ex.error:
-        print(ex.error.traceback_text, file=sys.stderr)
+        print(ex.error.traceback_text or f"{ex.error.ename}: {ex.error.evalue}", file=sys.stderr)
         return 1
     return 0
 

@@ -312,14 +312,14 @@ def _abort_only_what_has_arrived() -> None:
     descriptors of the loop's next pass: a request the client sent on seeing
     the failed cell's idle status, if it is in the pipe by then, was aborted
     too ("aborted", no output). Over the pipe that takes a stall of a
-    millisecond or two right after the idle, and CI saw it. As ipykernel 7
-    does, with no timeout the end of the abort is queued at once, behind
+    millisecond or two right after the idle, and CI saw it. As later ipykernels
+    do, with no timeout the end of the abort is queued at once, behind
     exactly the requests the flush has just taken."""
     import ipykernel
     from ipykernel.kernelbase import Kernel
 
     if tuple(ipykernel.version_info[:2]) not in PIPE_IPYKERNELS:
-        return  # this is 6.17's method; ipykernel 7 does this itself
+        return  # this is 6.17's method; later ones do this themselves
     with_timeout = Kernel._abort_queues
 
     def _abort_queues(self):

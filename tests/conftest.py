@@ -74,11 +74,15 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         for gw in list(LIVE_GATEWAYS):
+            if gw.log.closed:
+                continue  # killed, and its test is done with it
             try:
                 tail = "\n".join(gw.log_text().splitlines()[-80:])
-            except OSError as e:
+            except Exception as e:  # the report goes on without it
                 tail = f"(unreadable: {e})"
-            report.sections.append((f"gateway on port {gw.port}, its log's last lines", tail))
+            code = gw.proc.poll()
+            state = "running" if code is None else f"exited with status {code}"
+            report.sections.append((f"gateway on port {gw.port} ({state}), its log's last lines", tail))
 
 
 class Gateway:
@@ -99,9 +103,9 @@ class Gateway:
         full_env = {**os.environ, "SANDGATE_HOME": str(self.home), "SANDGATE_TOKEN": token,
                     "SANDGATE_KEEP_SANDBOXES": "false", **(env or {})}
         self.log = open(self.log_path, "w")
-        LIVE_GATEWAYS.append(self)
         self.proc = subprocess.Popen([sys.executable, "-m", "sandgate.cli", "serve", "--port", str(self.port), *args],
                                      env=full_env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        LIVE_GATEWAYS.append(self)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -118,7 +122,7 @@ class Gateway:
     def log_text(self) -> str:
         if not self.log.closed:
             self.log.flush()
-        return self.log_path.read_text()
+        return self.log_path.read_text(errors="replace")
 
     def request(self, method, path, body=None, token=None, headers=None, raw=None, timeout=180) -> Response:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

@@ -129,6 +129,15 @@ def test_error_has_name_value_and_traceback(sb):
     assert sb.run_code("'still alive'").text == "'still alive'"
 
 
+def test_a_cell_whose_kernel_dies_has_an_error(sb):
+    """The error is in the kernel's reply only (no iopub error message): it still reaches E2B's SDK."""
+    seen = []
+    ex = sb.run_code("import os\nos._exit(3)", on_error=seen.append)
+    assert ex.error is not None and seen == [ex.error]
+    assert ex.error.name == "DeadKernelError" and "status 3" in ex.error.value, ex.error
+    assert sb.run_code("1 + 1").text == "2"  # on the restarted kernel
+
+
 def test_matplotlib_figure_is_a_png(sb):
     assert sb.run_code("import matplotlib").error is None, "matplotlib is in the sandbox image"
     ex = sb.run_code("%config InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"  # the whole figure

@@ -629,6 +629,9 @@ class ExecuteHandler(InterpreterHandler):
         except SandgateError as e:  # the answer has begun: the failure is an error line
             await emit({"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
             result = {"execution_count": None}
+        error = result.get("error")
+        if error and error not in result.get("outputs", []):  # in the reply only: Aborted, DeadKernelError
+            await emit(ndjson_of(error))
         if result.get("status") == "timeout":
             await emit({"type": "error", "name": "TimeoutError", "value": f"the cell ran past {EXECUTE_TIMEOUT:.0f} s "
                         "and was interrupted", "traceback": ""})

@@ -61,7 +61,7 @@ class Output(BaseModel):
 
 
 class ExecuteResult(BaseModel):
-    status: str  # ok | error | timeout
+    status: str  # ok | error | timeout | aborted
     execution_count: Optional[int]
     outputs: List[Output]
     stdout: str

@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,9 @@ def no_namespaces() -> dict:
         + [{"names": ["clone"], **deny, "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
            for flag in CLONE_NEW.values()],
     }
+
+
+RUNTIME_ID = re.compile(r"sg-[A-Za-z0-9-]{1,200}")  # what the gateway names runtimes (Sandbox.new_spec, the pool)
 
 
 def cgroup_name(runtime_id: str) -> str:
@@ -394,12 +398,22 @@ class GVisorDriver(Driver):
         kept = {socket_dir(self.home, i, "g") for i in keep}
         for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
             if d not in kept:
-                try:  # a runtime stopped before runsc recorded it: only its cgroups say it was there
-                    remove_cgroups(cgroup_name(SandboxSpec.model_validate_json((d / "spec.json").read_text()).id))
-                except (OSError, ValueError):
-                    pass
+                self._remove_cgroups_named_in(d)
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
+
+    def _remove_cgroups_named_in(self, sockets: Path) -> None:
+        """The cgroups of the runtime whose socket directory this was: a runtime stopped before
+        runsc recorded it leaves nothing else that names them. Anyone can make a directory in
+        /tmp, so only one of ours (owner, mode 0700, the name its spec's id gives) is believed."""
+        try:
+            st = sockets.lstat()
+            runtime_id = SandboxSpec.model_validate_json((sockets / "spec.json").read_text()).id
+        except (OSError, ValueError):
+            return
+        if (st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700 and stat.S_ISDIR(st.st_mode)
+                and RUNTIME_ID.fullmatch(runtime_id) and socket_dir(self.home, runtime_id, "g") == sockets):
+            remove_cgroups(cgroup_name(runtime_id))
 
     def _record(self, sid: str) -> Path:
         """runsc's record of a sandbox (the same name in Debian 12's and 13's runsc)."""
@@ -410,9 +424,7 @@ class GVisorDriver(Driver):
         deletes it when the sandbox ends) and that record names no other process; then
         its cgroups, which a launcher stopped before runsc recorded the sandbox leaves
         behind (runtime ids are never reused, and a cgroup in use is not removed)."""
-        if self._record(sid).exists():
-            if not self._names_its_sandbox(sid):
-                return
+        if self._record(sid).exists() and self._names_its_sandbox(sid):
             await self.runsc("delete", "--force", sid)
         remove_cgroups(cgroup_name(sid))
 

@@ -379,6 +379,7 @@ def remove_cgroups(name: str) -> None:
     The kernel refuses to remove a cgroup that still holds a process or a child
     cgroup, so this never takes one from a sandbox that is still there."""
     import glob  # only here: most shims never get this far
+    name = glob.escape(name)
     for d in glob.glob(f"/sys/fs/cgroup/*/{name}") + glob.glob(f"/sys/fs/cgroup/{name}"):
         try:
             os.rmdir(d)
