@@ -34,6 +34,10 @@ EGRESS_REQUESTS = Counter("sandgate_egress_requests", "Requests the egress proxy
                           registry=REGISTRY)
 EGRESS_BYTES = Counter("sandgate_egress_bytes", "Body bytes through the egress proxy", ["direction"],
                        registry=REGISTRY)
+CULLER_PASSES = Counter("sandgate_culler_passes", "Passes of the culler over every sandbox (idle culls and "
+                        "pauses, ttls, warm-pool refills)", registry=REGISTRY)
+CULLER_FAILURES = Counter("sandgate_culler_failures", "Culler actions that failed, by kind: ttl, pause, cull, "
+                          "or a whole pass", ["kind"], registry=REGISTRY)
 
 
 class SandboxStates:

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sandgate.config import default_home
 from sandgate_client import Execution, Sandbox, SandboxDied, SandboxInfo, Timeout
@@ -118,6 +119,13 @@ class Gateway:
                 time.sleep(0.2)
         LIVE_GATEWAYS.remove(self)
         raise RuntimeError(f"gateway did not come up: {self.log_text()}")
+
+    def metrics(self) -> dict:
+        """``GET /metrics``, parsed: {(sample name, its labels sorted): value}."""
+        r = self.request("GET", "/metrics")
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain"), r.body
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.body.decode()) for s in family.samples}
 
     def log_text(self) -> str:
         if not self.log.closed:

@@ -274,6 +274,11 @@ async def test_after_a_kill_a_sandbox_resumes_from_its_newest_checkpoint_or_is_d
         await sb.teardown()
 
 
+def culler_failures(kind: str) -> float:
+    from sandgate.metrics import REGISTRY
+    return REGISTRY.get_sample_value("sandgate_culler_failures_total", {"kind": kind}) or 0
+
+
 @run
 async def test_the_culler_survives_a_failure(tmp_path, monkeypatch):
     from sandgate.core.culler import Culler
@@ -282,6 +287,7 @@ async def test_the_culler_survives_a_failure(tmp_path, monkeypatch):
     sb = await svc.start(StartRequest(ttl=1))
     sb.record = sb.record.model_copy(update={"expires": 1.0})  # long past
     culler = Culler(svc.manager)
+    failed = culler_failures("ttl")
     real_delete, calls = svc.manager.delete, []
 
     async def flaky_delete(sid):
@@ -296,6 +302,7 @@ async def test_the_culler_survives_a_failure(tmp_path, monkeypatch):
         await asyncio.sleep(0.01)
     await culler.stop()
     assert culler.failures["ttl"] == 1 and len(calls) == 2
+    assert culler_failures("ttl") == failed + 1  # sandgate_culler_failures_total, as /metrics shows it
 
 
 @run
@@ -305,6 +312,7 @@ async def test_a_failing_pass_does_not_end_the_loop(tmp_path, monkeypatch):
     svc = make(tmp_path, cull_interval=0.01)
     culler = Culler(svc.manager)
     real, seen = culler.run_once, []
+    failed = culler_failures("pass")
 
     async def boom():
         seen.append(1)
@@ -317,7 +325,7 @@ async def test_a_failing_pass_does_not_end_the_loop(tmp_path, monkeypatch):
     while culler.passes < 2:
         await asyncio.sleep(0.01)
     await culler.stop()
-    assert culler.failures["pass"] == 1
+    assert culler.failures["pass"] == 1 and culler_failures("pass") == failed + 1
 
 
 @run

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 import json
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import Gateway
-
-
-def scrape(g) -> dict:
-    r = g.request("GET", "/metrics")
-    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain"), r.body
-    samples = {}
-    for family in text_string_to_metric_families(r.body.decode()):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 def value(samples, name, **labels):
@@ -26,7 +14,7 @@ def value(samples, name, **labels):
 def test_metrics_count_starts_executions_checkpoints_and_states(home, tmp_path):
     g = Gateway(home, tmp_path, env={"SANDGATE_WARM_START": "false"}, args=())
     try:
-        before = scrape(g)
+        before = g.metrics()
         sid = g.request("POST", "/api/sandboxes", {}).json()["id"]
         c = g.connect(sid)
         for _ in range(3):
@@ -34,7 +22,7 @@ def test_metrics_count_starts_executions_checkpoints_and_states(home, tmp_path):
         c.close()
         assert g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).status == 201
         fork = g.request("POST", f"/api/sandboxes/{sid}/fork", {}).json()["id"]
-        after = scrape(g)
+        after = g.metrics()
         assert value(after, "sandgate_sandboxes", state="running", driver="gvisor") == 2
         assert value(after, "sandgate_sandbox_starts_total", driver="gvisor", path="cold") == \
             value(before, "sandgate_sandbox_starts_total", driver="gvisor", path="cold") + 1
@@ -48,7 +36,7 @@ def test_metrics_count_starts_executions_checkpoints_and_states(home, tmp_path):
         assert g.request("GET", "/metrics", token="wrong").status == 401
         for s in (sid, fork):
             g.request("DELETE", f"/api/sandboxes/{s}")
-        assert value(scrape(g), "sandgate_sandboxes", state="running", driver="gvisor") == 0
+        assert value(g.metrics(), "sandgate_sandboxes", state="running", driver="gvisor") == 0
     finally:
         g.stop()
 

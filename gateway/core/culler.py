@@ -14,6 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
+from .. import metrics
 from .errors import NotFound
 from .messages import utcnow
 from .states import State
@@ -57,10 +58,12 @@ class Culler:
                 await self.run_once()
             except Exception:
                 self.failures["pass"] += 1
+                metrics.CULLER_FAILURES.labels("pass").inc()
                 log.exception("culler pass failed; the next one runs as usual")
 
     async def run_once(self) -> None:
         self.passes += 1
+        metrics.CULLER_PASSES.inc()
         now = utcnow()
         for sb in list(self.manager.sandboxes.values()):
             if self._stop.is_set():
@@ -82,6 +85,7 @@ class Culler:
                 pass  # deleted meanwhile
             except Exception as e:
                 self.failures[kind] += 1
+                metrics.CULLER_FAILURES.labels(kind).inc()
                 log.warning("culler: %s of sandbox %s failed (%d so far): %s", kind, sb.id, self.failures[kind], e)
         for driver in self.manager.drivers:
             if self.manager.pool.ready.get(driver) is not None:
