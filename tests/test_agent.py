@@ -3,6 +3,8 @@ driven over its framed stream (unix socket transport, so the stream can be
 dropped and re-opened the way a restarting gateway would)."""
 
 import asyncio
+import collections
+import itertools
 import json
 import os
 import subprocess
@@ -171,12 +173,31 @@ def test_buffer_bound_reports_drops(agent):
                 break
         await a.link.close()
         await until_exists(ws / "done")  # the cell has run, with nobody listening
-        await asyncio.sleep(0.5)
         b = await Conn.open(sock)
-        await asyncio.sleep(1)
-        dropped = [e for e in b.events if e.event == "dropped"]
-        assert dropped and dropped[0].data["frames"] > 0
-        assert b.queue.qsize() <= 50  # the bound (--buffer-frames 50)
+        # What reached the agent with nobody attached (busy and execute_input unless `a` had them, then
+        # 200 displays, the reply and idle): the first 50 frames were kept (the bound), the next ones
+        # dropped and counted, and those that came after `b` attached arrive live. Whatever the timing,
+        # `b` gets the first 50, then the tail, and the run left out between them is exactly the count.
+        got = []
+
+        async def receive():
+            ch, parts = await asyncio.wait_for(b.queue.get(), 30)
+            content = json.loads(parts[3])
+            got.append((json.loads(parts[0])["msg_type"],
+                        content.get("execution_state") or content.get("data", {}).get("text/plain")))
+
+        def lead():  # the frames from before the cell's sleep that `a` did not take
+            return len(list(itertools.takewhile(lambda k: k in (("status", "busy"), ("execute_input", None)), got)))
+
+        await receive()  # the agent says what it dropped before it sends what it kept
+        dropped = [e.data["frames"] for e in b.events if e.event == "dropped"]
+        assert len(dropped) == 1 and dropped[0] > 0, b.events
+        d = dropped[0]
+        while len(got) + d < lead() + 202:
+            await receive()
+        made = got[:lead()] + [("display_data", str(i)) for i in range(200)] + [("execute_reply", None), ("status", "idle")]
+        assert got[:50] == made[:50]
+        assert collections.Counter(got[50:]) == collections.Counter(made[50 + d:])  # reply and idle: either order
 
     asyncio.run(main())
 

@@ -4,7 +4,6 @@ restart, crashes, bad frames and reconnects, all on real gVisor kernels."""
 import base64
 import json
 import threading
-import time
 
 import pytest
 import websocket
@@ -73,10 +72,12 @@ def test_input_over_stdin(gateway, kernel):
 def test_interrupt_infinite_loop(gateway, kernel):
     c = gateway.connect(kernel)
     result = {}
-    t = threading.Thread(target=lambda: result.update(c.execute("while True:\n    pass", timeout=60)))
+    t = threading.Thread(target=lambda: result.update(c.execute("print('looping', flush=True)\nwhile True:\n    pass",
+                                                                  timeout=60)))
     t.start()
-    wait_for(lambda: gateway.request("GET", f"/api/kernels/{kernel}").json()["execution_state"] == "busy")
-    time.sleep(0.5)
+    # In the loop: busy alone comes before the cell's code runs.
+    wait_for(lambda: any(m["msg_type"] == "stream" and m["content"]["text"] == "looping\n" for m in list(c.seen)))
+    assert gateway.request("GET", f"/api/kernels/{kernel}").json()["execution_state"] == "busy"
     assert gateway.request("POST", f"/api/kernels/{kernel}/interrupt", {}).status == 204
     t.join(60)
     assert not t.is_alive()
@@ -191,10 +192,16 @@ def test_kernel_crash_is_answered_and_recovered(gateway):
 
 def test_output_while_disconnected_is_replayed(gateway, kernel):
     c = gateway.connect(kernel)
-    c.send("execute_request", {"code": "import time\ntime.sleep(2)\nprint('while you were away')", "silent": False})
+    mid = c.send("execute_request", {"code": "import time\ntime.sleep(2)\nprint('while you were away')", "silent": False})
+    while True:  # the cell has begun: what it prints comes two seconds on
+        m = c.recv(timeout=30)
+        if m["parent_header"].get("msg_id") == mid and m["msg_type"] == "status":
+            assert m["content"]["execution_state"] == "busy"
+            break
     c.close()
-    time.sleep(4)
-    assert gateway.request("GET", f"/api/kernels/{kernel}").json()["connections"] == 0
+    state = lambda: gateway.request("GET", f"/api/kernels/{kernel}").json()  # noqa: E731
+    wait_for(lambda: state()["connections"] == 0)
+    wait_for(lambda: state()["execution_state"] == "idle", timeout=60)  # the cell printed with nobody connected
     c2 = gateway.connect(kernel, session=c.session)
     seen = []
     while not any(m["msg_type"] == "stream" for m in seen):

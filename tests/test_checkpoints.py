@@ -1,6 +1,7 @@
 """Running-state checkpoints, forks, pause and resume, on real gVisor
 sandboxes through the sandbox API (and the Jupyter websocket for forks)."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -458,9 +459,22 @@ def test_disk_full_during_checkpoint(home, tmp_path):
 
 def test_gateway_killed_mid_checkpoint(home, tmp_path):
     g = Gateway(home, tmp_path)
+    items = g.home / "checkpoints" / "items"
+    wait_for((g.home / "templates.json").is_file, timeout=300)  # the template's checkpoint is whole
     sid = create(g)["id"]
     ex(g, sid, "q = 5")
     done = g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "good"}).json()
+    before = set(items.iterdir())
+
+    def unfinished():
+        """The doomed checkpoint's directory once runsc has begun its image, before it is committed."""
+        for d in set(items.iterdir()) - before:
+            state = d / "state"
+            with contextlib.suppress(FileNotFoundError):
+                if any(state.iterdir()) and not (d / "checkpoint.json").exists():
+                    return d
+        return None
+
     def doomed():
         try:
             g.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}, timeout=30)
@@ -469,14 +483,16 @@ def test_gateway_killed_mid_checkpoint(home, tmp_path):
 
     t = threading.Thread(target=doomed)
     t.start()
-    time.sleep(0.4)  # runsc is writing the image now
+    half = wait_for(unfinished, timeout=60, interval=0.01)
     g.proc.send_signal(signal.SIGKILL)
     g.proc.wait()
     t.join(60)
+    assert half and half.is_dir() and not (half / "checkpoint.json").exists()  # killed mid-checkpoint
     # Same home, new gateway: it reclaims the orphans; every listed checkpoint restores.
     g.log.close()
     g2 = Gateway(home, tmp_path, own_home=g.home)
     try:
+        assert not half.exists()  # swept at the start
         listed = [n for n in g2.request("GET", "/api/sandboxes/tree").json()["nodes"] if n["kind"] == "checkpoint"]
         assert done["id"] in [c["id"] for c in listed]
         for c in listed:  # ours, and the warm-start template

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 from conftest import Gateway, free_port, wait_for
 
@@ -69,7 +70,12 @@ def test_idle_kernels_are_culled(home, tmp_path):
         busy = gw.start_kernel()
         c = gw.connect(busy)  # a connected kernel is never culled
         wait_for(lambda: gw.request("GET", f"/api/kernels/{idle}").status == 404, timeout=30)
-        time.sleep(3)
+        # The connected one is idle past the timeout too, and two whole passes of the culler later it is there.
+        last = gw.request("GET", f"/api/kernels/{busy}").json()["last_activity"]
+        wait_for(lambda: time.time() > datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() + 2)
+        passes = lambda: gw.metrics()[("sandgate_culler_passes_total", ())]  # noqa: E731
+        after = passes()
+        wait_for(lambda: passes() >= after + 2, timeout=30)
         assert gw.request("GET", f"/api/kernels/{busy}").status == 200
         assert c.execute("1")["results"]
         assert "culling sandbox" in gw.log_text()
