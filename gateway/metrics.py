@@ -38,6 +38,8 @@ CULLER_PASSES = Counter("sandgate_culler_passes", "Passes of the culler over eve
                         "pauses, ttls, warm-pool refills)", registry=REGISTRY)
 CULLER_FAILURES = Counter("sandgate_culler_failures", "Culler actions that failed, by kind: ttl, pause, cull, "
                           "or a whole pass", ["kind"], registry=REGISTRY)
+for _kind in ("ttl", "pause", "cull", "pass"):  # at zero from the start, so rate() sees the first failure
+    CULLER_FAILURES.labels(_kind)
 
 
 class SandboxStates:

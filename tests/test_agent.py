@@ -160,24 +160,26 @@ def test_an_answer_to_a_gateway_that_has_gone_never_answers_the_next_ones_reques
 
 def test_buffer_bound_reports_drops(agent):
     sock, ws = agent
+    n = 1000  # display() sends one message per call; the bound is 50 frames
 
     async def main():
         a = await Conn.open(sock)
-        # display() sends one message per call: 200 messages, the bound is 50.
-        mid, parts = execute_parts("import time\nfrom IPython.display import display\ntime.sleep(1)\n"
-                                   "for i in range(200):\n    display(i)\nopen('done', 'w').close()")
+        mid, parts = execute_parts("import os, time\nfrom IPython.display import display\n"
+                                   "while not os.path.exists('go'): time.sleep(0.05)\n"
+                                   f"for i in range({n}):\n    display(i)\nopen('done', 'w').close()")
         a.link.send_kernel("shell", parts)
-        while True:  # the cell has started; its output comes a second later
+        while True:  # the cell has started; its output waits for `go`
             ch, p = await asyncio.wait_for(a.queue.get(), 30)
             if mid.encode() in p[1]:
                 break
         await a.link.close()
+        (ws / "go").touch()
         await until_exists(ws / "done")  # the cell has run, with nobody listening
         b = await Conn.open(sock)
-        # What reached the agent with nobody attached (busy and execute_input unless `a` had them, then
-        # 200 displays, the reply and idle): the first 50 frames were kept (the bound), the next ones
-        # dropped and counted, and those that came after `b` attached arrive live. Whatever the timing,
-        # `b` gets the first 50, then the tail, and the run left out between them is exactly the count.
+        # What reached the agent with nobody attached: busy and execute_input unless `a` had them, the
+        # displays, idle, and the reply (its own socket: anywhere after the first display). The first
+        # 50 frames were kept, the next ones dropped and counted, and those that come after `b`
+        # attached arrive live: `b` gets the first 50, then the tail, and exactly the count is missing.
         got = []
 
         async def receive():
@@ -186,18 +188,22 @@ def test_buffer_bound_reports_drops(agent):
             got.append((json.loads(parts[0])["msg_type"],
                         content.get("execution_state") or content.get("data", {}).get("text/plain")))
 
-        def lead():  # the frames from before the cell's sleep that `a` did not take
+        def lead():  # the frames from before `go` that `a` did not take
             return len(list(itertools.takewhile(lambda k: k in (("status", "busy"), ("execute_input", None)), got)))
 
         await receive()  # the agent says what it dropped before it sends what it kept
         dropped = [e.data["frames"] for e in b.events if e.event == "dropped"]
+        # `done` comes after n displays, the agent reads them as they are sent: it is far past 50.
         assert len(dropped) == 1 and dropped[0] > 0, b.events
         d = dropped[0]
-        while len(got) + d < lead() + 202:
+        while len(got) + d < lead() + n + 2:
             await receive()
-        made = got[:lead()] + [("display_data", str(i)) for i in range(200)] + [("execute_reply", None), ("status", "idle")]
-        assert got[:50] == made[:50]
-        assert collections.Counter(got[50:]) == collections.Counter(made[50 + d:])  # reply and idle: either order
+        replies = sum(k[0] == "execute_reply" for k in got)
+        assert replies <= 1 and len(got) + d == lead() + n + 2
+        iopub = got[:lead()] + [("display_data", str(i)) for i in range(n)] + [("status", "idle")]
+        kept = sum(k[0] != "execute_reply" for k in got[:50])
+        io_dropped = d - (1 - replies)  # the reply is one of the dropped frames when it is not here
+        assert [k for k in got if k[0] != "execute_reply"] == iopub[:kept] + iopub[kept + io_dropped:]
 
     asyncio.run(main())
 
