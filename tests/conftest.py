@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -256,6 +257,16 @@ def kernel(gateway):
     kid = gateway.start_kernel()
     yield kid
     gateway.request("DELETE", f"/api/kernels/{kid}")
+
+
+def host_processes(name: str) -> list:
+    """Host processes with ``name`` in their command line: a sandbox's id names its directory
+    in every one of its processes' command lines, a checkpoint's directory its runsc's."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(name in a for a in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
 
 
 def wait_for(predicate, timeout=60, interval=0.2):

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import Gateway, wait_for
+from conftest import Gateway, host_processes, wait_for
 
 
 def ex(gw, sid, code, timeout=60):
@@ -457,16 +457,6 @@ def test_disk_full_during_checkpoint(home, tmp_path):
         subprocess.run(["umount", str(small)])
 
 
-def commands_naming(path) -> list:
-    """Processes with ``path`` in their command line."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if str(path).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(pid)
-    return found
-
-
 def test_gateway_killed_mid_checkpoint(home, tmp_path):
     g = Gateway(home, tmp_path)
     items = g.home / "checkpoints" / "items"
@@ -499,7 +489,7 @@ def test_gateway_killed_mid_checkpoint(home, tmp_path):
     t.join(60)
     assert half and half.is_dir() and not (half / "checkpoint.json").exists()  # killed mid-checkpoint
     # Its `runsc checkpoint` outlives the gateway: the sweep below is tested once nothing writes there.
-    wait_for(lambda: not commands_naming(half), timeout=120)
+    wait_for(lambda: not host_processes(str(half)), timeout=120)
     # Same home, new gateway: it reclaims the orphans; every listed checkpoint restores.
     g.log.close()
     g2 = Gateway(home, tmp_path, own_home=g.home)

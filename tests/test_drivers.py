@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import wait_for
+from conftest import host_processes, wait_for
 from sandgate.drivers.base import socket_dir
 from sandgate.workspace import reap_mounts, sandbox_uid
 
@@ -25,15 +25,6 @@ def ex(gw, sid, code, timeout=120):
 
 def create(gw, **body):
     return gw.create(driver=gw.driver, **body)
-
-
-def host_processes(kernel_id):
-    """The host processes of a sandbox: their command lines name its directory."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if any(kernel_id in a for a in (p.info["cmdline"] or [])):
-            found.append(p)
-    return found
 
 
 def cgroups_of(runtime):
