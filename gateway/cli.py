@@ -245,6 +245,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.hostile:
+        from sandgate_bench.hostile import run as run_hostile
+
+        return run_hostile(args)
     if args.load is not None:
         from sandgate_bench.load import run as run_load
 
@@ -400,6 +404,14 @@ def main(argv=None) -> int:
                    help="with --fleet: seconds per routing-lookup measurement (default 3)")
     b.add_argument("--fleet-death", type=int, default=3, metavar="N",
                    help="with --fleet: sandboxes on the node that is killed (default 3)")
+    b.add_argument("--hostile", action="store_true",
+                   help="the hostile soak: every hostile-load attack at once (gzip bombs, egress head floods, "
+                        "half-open connections, bogus tokens, unread downloads and websockets, huge execute "
+                        "bodies) while ordinary sandboxes run cells, against a quiet run of the same")
+    b.add_argument("--hostile-seconds", type=float, default=120.0, metavar="S",
+                   help="with --hostile: seconds of each phase, quiet and hostile (default 120)")
+    b.add_argument("--hostile-sandboxes", type=int, default=10, metavar="N",
+                   help="with --hostile: ordinary sandboxes running cells (default 10)")
     b.add_argument("--trace", action="store_true",
                    help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
                         "round trip goes (gateway, agent, kernel; median ms per message)")
