@@ -12,7 +12,7 @@ Attacks (each a loop of its own until the phase ends; their answers are counted,
 - ``websockets``: 20 kernel websockets that never read, on a kernel printing 1 MiB at a time;
 - ``execute``: execute calls with 60 MiB bodies, three at a time.
 
-Reported: the gateway's RSS (at rest, peak of each phase, the hostile peak over the quiet one), the
+The gateway runs with SANDGATE_GATEWAY_MEMORY_MB=1024, the limit deploy/ ships. Reported: the gateway's RSS (at rest, peak of each phase, the hostile peak over the quiet one), the
 ordinary clients' ``print`` round trip p50/p99 in each phase and their ratio, every failure an ordinary
 client saw, and each attack's answers. Goals (issue 29): under +256 MiB, p99 within 3x of quiet, zero
 ordinary failures. The bench fails (exit 1) only when it could not run, or the gateway died.
@@ -41,6 +41,7 @@ from .kernels import BenchError, SandgateTarget, _default_home, conclude, prefli
 from .load import connect_all, load
 
 GOAL_RSS_MB = 256
+GATEWAY_MEMORY_MB = 1024
 GOAL_P99_RATIO = 3.0
 HALF_OPEN = 2000  # the bench's own descriptors bound it; the red-team reached 21,000
 UPSTREAM_HOST = "127.0.0.3"  # an allowed egress host on the host's loopback (not the sandbox's)
@@ -408,7 +409,9 @@ def run(args) -> int:
     target = SandgateTarget(logdir, home, "sandgate-hostile", {
         "SANDGATE_MAX_KERNELS": str(n + 8), "SANDGATE_KEEP_SANDBOXES": "false",
         "SANDGATE_TENANT_MAX_SANDBOXES": "0", "SANDGATE_TENANT_MAX_MEMORY_MB": "0", "SANDGATE_TENANT_CREATE_RATE": "0",
-        "SANDGATE_EGRESS_HOSTS": f"{ALLOWED}={UPSTREAM_HOST}"})
+        "SANDGATE_EGRESS_HOSTS": f"{ALLOWED}={UPSTREAM_HOST}",
+        # the limit deploy/systemd and deploy/k8s ship: past it the gateway dies, and the bench says so
+        "SANDGATE_GATEWAY_MEMORY_MB": str(GATEWAY_MEMORY_MB)})
     report: Dict[str, object] = {}
     failed: Optional[str] = None
     sampler = None

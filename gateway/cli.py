@@ -62,6 +62,14 @@ def cmd_serve(args) -> int:
     except OSError:
         print(f"sandgate: another gateway is running with home {settings.home} (set --home)", file=sys.stderr)
         return 1
+    if settings.gateway_memory_mb:
+        from .confine import ConfineError, confine
+
+        try:
+            confine(settings.gateway_memory_mb, settings.home)
+        except ConfineError as e:
+            print(f"sandgate: SANDGATE_GATEWAY_MEMORY_MB={settings.gateway_memory_mb}: {e}", file=sys.stderr)
+            return 1
 
     async def run() -> None:
         try:

@@ -87,6 +87,9 @@ class Settings(BaseModel):
     redis_prefix: str = "sandgate:"  # key prefix: fleets (or test runs) sharing one Redis
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     node_url: str = ""  # how other nodes reach this one; "" = http://<ip>:<port> as served
+    # The gateway process's own memory limit, a cgroup of its own (confine.py); its sandboxes and their
+    # shims are outside it. 0: none (the service manager's, if any).
+    gateway_memory_mb: int = Field(0, ge=0)
 
     @field_validator("egress_hosts")
     @classmethod
@@ -119,7 +122,7 @@ class Settings(BaseModel):
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
-        "node_url": "SANDGATE_NODE_URL",
+        "node_url": "SANDGATE_NODE_URL", "gateway_memory_mb": "SANDGATE_GATEWAY_MEMORY_MB",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
+from ..confine import release
 from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, require_disk_for_checkpoint
 from .console import ConsoleLog
 
@@ -250,6 +251,7 @@ class FirecrackerSandbox(ProcessSandbox):
         self.proc = await asyncio.create_subprocess_exec(
             *argv, cwd=self.root, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        release(self.proc.pid)  # the VM's memory is not the gateway's
         self.console.follow(self.proc.stdout)
         self.driver.register(self)
         deadline = time.monotonic() + 10

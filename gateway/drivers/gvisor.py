@@ -51,6 +51,7 @@ from typing import Iterable, List, Optional, Tuple
 from ..workspace import WorkspaceError, sandbox_uid
 from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
                    require_disk_for_checkpoint, socket_dir, tag, tail_lines)
+from ..confine import release
 from .shim import remove_cgroups
 
 log = logging.getLogger("sandgate.gvisor")
@@ -223,6 +224,7 @@ class GVisorSandbox(ProcessSandbox):
                 *self.driver.runsc_args(), *verb, "--detach", "--pid-file", pidfile, "--bundle", str(bundle), self.id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
                 start_new_session=True)
+        release(self.proc.pid)  # the shim outlives the gateway: not under its memory limit
         (self.sockets / "shim.pid").write_text(str(self.proc.pid))
         await self.connect()
 

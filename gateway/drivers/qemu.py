@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..workspace import unused_id
+from ..confine import release
 from .base import (AdoptedProcess, Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
                    require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from .console import ConsoleLog
@@ -388,6 +389,8 @@ class QemuSandbox(ProcessSandbox):
         finally:
             if fd is not None:
                 os.close(fd)
+        if not procs:
+            release(self.proc.pid)  # no cgroup of its own (unprivileged): the VM's memory is not the gateway's
         # qemu waits for this connection before it starts the guest: no console line is missed.
         await self._follow_console(QMP_OPEN_TIMEOUT)
         # What a later gateway process needs to adopt this VM (Driver.adopt).
