@@ -77,6 +77,9 @@ class Settings(BaseModel):
     tenant_max_memory_mb: int = Field(16384, ge=0)  # the sum of its sandboxes' limits.memory_mb
     tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
+    # The HMAC key tenant tokens are hashed with (core/tenants.py token_key); "": in a fleet derived from the
+    # serve token, alone a random one in home/tenant.key.
+    tenant_key: str = ""
     # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
     egress_ca_bundle: Optional[FilePath] = None
     # names the egress proxy resolves to fixed addresses before DNS ("name=ip,name=ip"): private services
@@ -117,6 +120,7 @@ class Settings(BaseModel):
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
+        "tenant_key": "SANDGATE_TENANT_KEY",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
         "node_url": "SANDGATE_NODE_URL",
