@@ -12,6 +12,7 @@ come from other loopback addresses (127.0.0.2 and up) than the ordinary client."
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import time
@@ -176,3 +177,24 @@ def test_accept_errors_are_logged_at_a_bounded_rate_and_the_gateway_recovers(hom
         if g.proc.poll() is None:
             proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
         g.stop()
+
+
+def test_a_client_is_its_address_and_an_ipv6_client_its_64(caplog):
+    """Who the per-client cap counts: one host holds a whole IPv6 /64, so one flood cannot
+    take a fresh address per connection; an IPv4-mapped address is its IPv4 one. And a
+    rate-limited log line: one per 10 s, carrying how many events it stands for."""
+    from sandgate.connections import RateLimitedLog, client_of
+
+    assert client_of(("127.0.0.2", 4242)) == "127.0.0.2"
+    assert client_of(("2001:db8::1", 1, 0, 0)) == client_of(("2001:db8::ffff:1", 2, 0, 0)) == "2001:db8::/64"
+    assert client_of(("2001:db8:0:1::1", 1, 0, 0)) == "2001:db8:0:1::/64"
+    assert client_of(("::ffff:10.1.2.3", 1, 0, 0)) == "10.1.2.3"
+    assert client_of("") == ""  # a unix socket
+    now = [0.0]
+    limited = RateLimitedLog(every=10, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="sandgate"):
+        for t in range(100):  # 50 s of one event every 0.5 s
+            now[0] = t * 0.5
+            limited(logging.WARNING, "refused a connection from %s", "x")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"refused a connection from x ({n} since the last such line)" for n in (1, 20, 20, 20, 20)]
