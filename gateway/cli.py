@@ -19,11 +19,10 @@ from .config import Settings
 
 
 def cmd_serve(args) -> int:
-    from tornado import httpserver
-
     from sandgate_images import rootfs as images
 
     from .app import make_app, make_service, start_egress
+    from .connections import BoundedHTTPServer, descriptor_headroom
     from .malloc import return_large_blocks
     from .core.culler import Culler
     from .core.fleet import Fleet
@@ -83,7 +82,15 @@ def cmd_serve(args) -> int:
         default = manager.specs.get(manager.specs.default).driver
         manager.pool.refill(default)  # other drivers warm up after their first sandbox starts
         culler = Culler(manager)
-        server = httpserver.HTTPServer(app, max_body_size=settings.max_message_mb << 20)
+        cap, nofile = descriptor_headroom(settings.http_max_connections)
+        server = BoundedHTTPServer(app, max_body_size=settings.max_message_mb << 20,
+                                   idle_connection_timeout=settings.http_idle_timeout,
+                                   body_timeout=settings.http_body_timeout, max_connections=cap,
+                                   max_connections_per_client=settings.http_max_connections_per_client)
+        logging.getLogger("sandgate").info(
+            "connections: at most %d (%d per client address) of %d descriptors; headers within %g s, bodies %g s",
+            cap, settings.http_max_connections_per_client, nofile, settings.http_idle_timeout,
+            settings.http_body_timeout)
         try:
             server.listen(settings.port, settings.ip)
         except OSError as e:

@@ -70,6 +70,13 @@ class Settings(BaseModel):
     keep_sandboxes: bool = True  # at exit, pause sandboxes to disk for the next start; false deletes them
     env_allow: List[str] = []  # env names passed to kernels besides KERNEL_*
     max_message_mb: int = Field(64, ge=1, le=256)  # websocket message and HTTP body bound
+    # What a client's connection may hold (connections.py): a request's headers must be in within
+    # http_idle_timeout of its connection's accept or previous answer, its body within http_body_timeout;
+    # connections not yet a websocket are capped in total and per client address (503 over either).
+    http_idle_timeout: float = Field(30, gt=0, allow_inf_nan=False)
+    http_body_timeout: float = Field(300, gt=0, allow_inf_nan=False)
+    http_max_connections: int = Field(2048, ge=1)  # at most half the descriptor limit (lowered to it at start)
+    http_max_connections_per_client: int = Field(256, ge=1)
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
     kernel_start_timeout: float = Field(120, gt=0)
     # Tenants (core/tenants.py): defaults for every tenant, overridable per tenant at its creation; 0 = no quota.
@@ -77,6 +84,9 @@ class Settings(BaseModel):
     tenant_max_memory_mb: int = Field(16384, ge=0)  # the sum of its sandboxes' limits.memory_mb
     tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
+    # The HMAC key tenant tokens are hashed with (core/tenants.py token_key); "": in a fleet derived from the
+    # serve token, alone a random one in home/tenant.key.
+    tenant_key: str = ""
     # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
     egress_ca_bundle: Optional[FilePath] = None
     # names the egress proxy resolves to fixed addresses before DNS ("name=ip,name=ip"): private services
@@ -108,6 +118,9 @@ class Settings(BaseModel):
         "warm_start": "SANDGATE_WARM_START", "pool_size": "SANDGATE_POOL_SIZE",
         "default_driver": "SANDGATE_DRIVER", "home": "SANDGATE_HOME", "env_allow": "SANDGATE_ENV_ALLOW",
         "max_message_mb": "SANDGATE_MAX_MESSAGE_MB", "kernel_start_timeout": "SANDGATE_KERNEL_START_TIMEOUT",
+        "http_idle_timeout": "SANDGATE_HTTP_IDLE_TIMEOUT", "http_body_timeout": "SANDGATE_HTTP_BODY_TIMEOUT",
+        "http_max_connections": "SANDGATE_HTTP_MAX_CONNECTIONS",
+        "http_max_connections_per_client": "SANDGATE_HTTP_MAX_CONNECTIONS_PER_CLIENT",
         "max_memory_mb": "SANDGATE_MAX_MEMORY_MB", "max_cpus": "SANDGATE_MAX_CPUS", "max_pids": "SANDGATE_MAX_PIDS",
         "max_disk_mb": "SANDGATE_MAX_DISK_MB", "max_ttl": "SANDGATE_MAX_TTL",
         "held_messages": "SANDGATE_HELD_MESSAGES", "held_mb": "SANDGATE_HELD_MB",
@@ -120,6 +133,7 @@ class Settings(BaseModel):
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
+        "tenant_key": "SANDGATE_TENANT_KEY",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
         "node_url": "SANDGATE_NODE_URL", "gateway_memory_mb": "SANDGATE_GATEWAY_MEMORY_MB",

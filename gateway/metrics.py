@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 REGISTRY = CollectorRegistry()
@@ -38,6 +38,13 @@ CULLER_PASSES = Counter("sandgate_culler_passes", "Passes of the culler over eve
                         "pauses, ttls, warm-pool refills)", registry=REGISTRY)
 CULLER_FAILURES = Counter("sandgate_culler_failures", "Culler actions that failed, by kind: ttl, pause, cull, "
                           "or a whole pass", ["kind"], registry=REGISTRY)
+HTTP_CONNECTIONS = Gauge("sandgate_http_connections", "Client connections still HTTP (a websocket leaves at "
+                         "its upgrade), which SANDGATE_HTTP_MAX_CONNECTIONS caps", registry=REGISTRY)
+HTTP_REFUSED = Counter("sandgate_http_refused", "Connections refused: over the cap in total, over the cap for "
+                       "one client address, or an accept that failed (out of descriptors)", ["reason"],
+                       registry=REGISTRY)
+for _reason in ("total", "client", "accept"):
+    HTTP_REFUSED.labels(_reason)
 for _kind in ("ttl", "pause", "cull", "pass"):  # at zero from the start, so rate() sees the first failure
     CULLER_FAILURES.labels(_kind)
 

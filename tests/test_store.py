@@ -162,6 +162,25 @@ async def test_tenants_are_created_once(make_store):
     await store.close()
 
 
+@run
+async def test_a_tenant_is_rewritten_only_over_the_hash_read(make_store):
+    """A token check rehashing a record (core/tenants.py) must not overwrite a tenant
+    that was deleted and re-created, or rehashed by another node, meanwhile."""
+    store = make_store()
+    old = TenantRecord(name="acme", token_hash="00", salt="11", kdf="scrypt-n16384-r8-p1")
+    new = old.model_copy(update={"token_hash": "22", "kdf": "hmac-sha256", "key_id": "k"})
+    assert not await store.replace_tenant(new, "00")  # no such tenant: nothing is created
+    assert await store.get_tenant("acme") is None
+    assert await store.create_tenant(old)
+    assert not await store.replace_tenant(new, "ff")
+    assert (await store.get_tenant("acme")).token_hash == "00"
+    assert await store.replace_tenant(new, "00")
+    assert await store.get_tenant("acme") == new and [t.name for t in await store.list_tenants()] == ["acme"]
+    assert not await store.replace_tenant(old, "00")  # the hash read is gone: a second rewrite loses
+    assert (await store.get_tenant("acme")).token_hash == "22"
+    await store.close()
+
+
 def nb(i, path, owner="acme", kernel="k1") -> NotebookSessionRecord:
     return NotebookSessionRecord(id=i, owner=owner, path=path, kernel_id=kernel)
 

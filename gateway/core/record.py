@@ -56,12 +56,15 @@ class SandboxRecord(BaseModel):
 
 
 class TenantRecord(BaseModel):
-    """One tenant, as the store keeps it: the token only as a salted hash."""
+    """One tenant, as the store keeps it: the token only as a keyed hash."""
 
     name: str
-    token_hash: str  # hex of scrypt(secret, salt) (core/tenants.py)
+    token_hash: str  # hex of HMAC-SHA-256 under the gateway's tenant key (core/tenants.py)
     salt: str  # hex
-    kdf: str = "scrypt-n16384-r8-p1"  # how token_hash was made, so it can change later
+    # How token_hash was made: "hmac-sha256", or "scrypt-n16384-r8-p1" for a record from before it
+    # (rewritten at its tenant's first good token).
+    kdf: str = "scrypt-n16384-r8-p1"
+    key_id: str = ""  # which key made an HMAC (core/tenants.py key_id): not the key
     max_sandboxes: Optional[int] = None  # None: the gateway's default (SANDGATE_TENANT_MAX_SANDBOXES)
     max_memory_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_MEMORY_MB
     created: float = Field(default_factory=time.time)

@@ -2,7 +2,7 @@
 
 The serve token is the admin. A tenant is a name with a token of its own
 (``sgt.<name>.<secret>``), made by the admin and shown once; the store keeps
-only a salted scrypt hash of the secret (``TenantRecord``). A request's
+only a keyed hash (HMAC-SHA-256) of the secret (``TenantRecord``). A request's
 caller is a ``Principal``: the admin (sees everything) or one tenant (sees
 only what it owns). Scoping itself is in core/service.py; this module holds
 the principal, the token check, the records and the creation rate limit.
@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,8 +32,13 @@ from .record import TenantRecord
 NAME = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 NAME_RE = re.compile(NAME)
 TOKEN_PREFIX = "sgt"
-KDF = "scrypt-n16384-r8-p1"
-VERIFIED_MAX = 10_000  # tokens remembered as checked, per process
+# A token's secret is 32 random bytes: a keyed fast hash protects it as well as a slow KDF (which is for
+# guessable passwords), and a bogus token costs the gateway microseconds, not an scrypt.
+KDF = "hmac-sha256"
+LEGACY_KDF = "scrypt-n16384-r8-p1"  # records made before; checked once, then rewritten with the HMAC
+KEY_FILE = "tenant.key"
+
+log = logging.getLogger("sandgate")
 
 
 @dataclass(frozen=True)
@@ -82,15 +89,61 @@ class TenantModel(BaseModel):
     memory_mb: int  # the sum of their memory_mb
 
 
-def hash_secret(secret: str, salt: bytes) -> str:
+def token_key(settings: Settings) -> bytes:
+    """The key tenant tokens are hashed with: ``SANDGATE_TENANT_KEY``; else, in a
+    fleet, one derived from the serve token every node has; else a random key
+    made once in the home (0600). Never in the store, so a copy of the store
+    (a backup, a Redis dump) cannot even check a guess (docs/security.md#tenants)."""
+    if settings.tenant_key:
+        return hashlib.sha256(b"sandgate-tenant-key\0" + settings.tenant_key.encode()).digest()
+    if settings.redis_url and settings.token:
+        return hmac.new(settings.token.encode(), b"sandgate-tenant-key", "sha256").digest()
+    return home_key(settings.home / KEY_FILE)
+
+
+def home_key(path: Path) -> bytes:
+    """32 random bytes kept in ``path`` (0600), made at the first start."""
+    try:
+        return read_key(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # whole or absent: a key that changed would lock every tenant out
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return read_key(path)
+
+
+def read_key(path: Path) -> bytes:
+    try:
+        key = bytes.fromhex(path.read_text().strip())
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ValueError(f"{path} is not a tenant key (64 hex digits); every tenant's token depends on it")
+    return key
+
+
+def key_id(key: bytes) -> str:
+    """Names a key without revealing it: a record made under another key says so in the log."""
+    return hmac.new(key, b"sandgate-tenant-key-id", "sha256").hexdigest()[:16]
+
+
+def hmac_secret(key: bytes, name: str, secret: str, salt: bytes) -> str:
+    return hmac.new(key, b"sgt\0" + name.encode() + b"\0" + salt + secret.encode(), "sha256").hexdigest()
+
+
+def scrypt_secret(secret: str, salt: bytes) -> str:
     return hashlib.scrypt(secret.encode(), salt=salt, n=1 << 14, r=8, p=1, dklen=32).hex()
-
-
-def _verify(secret: str, record: Optional[TenantRecord]) -> bool:
-    if record is None or record.kdf != KDF:
-        hash_secret(secret, b"\0" * 16)  # the same cost whether or not the name exists
-        return False
-    return hmac.compare_digest(hash_secret(secret, bytes.fromhex(record.salt)), record.token_hash)
 
 
 class TokenBucket:
@@ -117,22 +170,29 @@ class Tenants:
         self.store = store
         self.settings = settings
         self.clock = clock
-        self._verified: Dict[bytes, str] = {}  # sha256(token) -> the token_hash it was checked against
-        self._hashing = asyncio.Semaphore(2)  # scrypt runs off the loop, a couple at a time
+        self._key = token_key(settings)
+        self.key_id = key_id(self._key)
+        self._foreign_keys: Set[str] = set()  # key ids of records this key cannot check, logged once each
+        # scrypt only for records from before the HMAC, once each: off the loop, one at a time, so a flood
+        # of bogus tokens for such a tenant leaves the other core alone.
+        self._legacy = asyncio.Semaphore(1)
         self._buckets: Dict[str, TokenBucket] = {}
 
     # -- records -------------------------------------------------------------------
     async def create(self, body: TenantCreate) -> Tuple[TenantRecord, str]:
         """A new tenant and its token (returned here only)."""
         secret = secrets.token_urlsafe(32)
-        salt = os.urandom(16)
-        async with self._hashing:
-            digest = await asyncio.to_thread(hash_secret, secret, salt)
-        rec = TenantRecord(name=body.name, token_hash=digest, salt=salt.hex(), kdf=KDF,
-                           max_sandboxes=body.max_sandboxes, max_memory_mb=body.max_memory_mb)
+        rec = self._hashed(TenantRecord(name=body.name, token_hash="", salt="", max_sandboxes=body.max_sandboxes,
+                                        max_memory_mb=body.max_memory_mb), secret)
         if not await self.store.create_tenant(rec):
             raise Conflict(f"tenant {body.name} exists", code="exists")
         return rec, f"{TOKEN_PREFIX}.{body.name}.{secret}"
+
+    def _hashed(self, rec: TenantRecord, secret: str) -> TenantRecord:
+        """``rec`` with ``secret``'s HMAC under this gateway's key."""
+        salt = os.urandom(16)
+        return rec.model_copy(update={"token_hash": hmac_secret(self._key, rec.name, secret, salt), "salt": salt.hex(),
+                                      "kdf": KDF, "key_id": self.key_id})
 
     async def get(self, name: str) -> TenantRecord:
         rec = await self.store.get_tenant(name)
@@ -146,8 +206,7 @@ class Tenants:
     async def delete(self, name: str) -> None:
         if not await self.store.delete_tenant(name):
             raise NotFound(f"No such tenant: {name}")
-        self._buckets.pop(name, None)
-        # Its verified tokens die with the record: each check compares the stored hash.
+        self._buckets.pop(name, None)  # its token dies with the record: each check reads it
 
     def quotas(self, rec: TenantRecord) -> Tuple[int, int]:
         s = self.settings
@@ -156,24 +215,48 @@ class Tenants:
 
     # -- authentication ------------------------------------------------------------
     async def authenticate(self, token: str) -> Optional[Principal]:
-        """The tenant whose token this is, or None. A token checked once is
-        remembered (by its sha256, in memory) against the hash it matched, so
-        a deleted or re-created tenant's old token fails at once."""
+        """The tenant whose token this is, or None: a malformed token, an unknown
+        name and a wrong secret are all None (the same 401). Each check reads the
+        tenant's record, so a deleted or re-created tenant's old token fails at once."""
         kind, _, rest = token.partition(".")
         name, _, secret = rest.partition(".")
         if kind != TOKEN_PREFIX or not NAME_RE.fullmatch(name) or not secret:
             return None
         rec = await self.store.get_tenant(name)
-        key = hashlib.sha256(token.encode()).digest()
-        if rec is not None and hmac.compare_digest(self._verified.get(key, ""), rec.token_hash):
-            return Principal(rec.name)
-        async with self._hashing:
-            ok = await asyncio.to_thread(_verify, secret, rec)
-        if not ok:
-            return None
-        if len(self._verified) >= VERIFIED_MAX:
-            self._verified.clear()
-        self._verified[key] = rec.token_hash
+        if rec is not None and rec.kdf == LEGACY_KDF:
+            return await self._migrate(rec, secret)
+        return Principal(name) if self._matches(rec, name, secret) else None
+
+    def _matches(self, rec: Optional[TenantRecord], name: str, secret: str) -> bool:
+        """An HMAC and a compare: microseconds, and as long for an unknown name."""
+        if rec is None or rec.kdf != KDF:
+            hmac.compare_digest(hmac_secret(self._key, name, secret, b"\0" * 16), "0" * 64)
+            return False
+        if rec.key_id != self.key_id:
+            if rec.key_id not in self._foreign_keys:
+                self._foreign_keys.add(rec.key_id)
+                log.warning("tenant %s's token was hashed with another key (id %s; this gateway's is %s): its "
+                            "token fails here; every node of a fleet needs the same SANDGATE_TENANT_KEY",
+                            name, rec.key_id, self.key_id)
+            return False
+        return hmac.compare_digest(hmac_secret(self._key, name, secret, bytes.fromhex(rec.salt)), rec.token_hash)
+
+    async def _migrate(self, rec: TenantRecord, secret: str) -> Optional[Principal]:
+        """A record from before the HMAC: one scrypt, and if the secret is right
+        the record is rewritten with the HMAC (compared against the old hash, so
+        a tenant deleted or re-created meanwhile is left alone); from then on
+        its tokens, right or bogus, cost no scrypt."""
+        async with self._legacy:
+            rec = await self.store.get_tenant(rec.name)  # another request may have rewritten it meanwhile
+            if rec is None:
+                return None
+            if rec.kdf != LEGACY_KDF:
+                return Principal(rec.name) if self._matches(rec, rec.name, secret) else None
+            digest = await asyncio.to_thread(scrypt_secret, secret, bytes.fromhex(rec.salt))
+            if not hmac.compare_digest(digest, rec.token_hash):
+                return None
+            if await self.store.replace_tenant(self._hashed(rec, secret), rec.token_hash):
+                log.info("tenant %s: its token's hash is now %s (was %s)", rec.name, KDF, LEGACY_KDF)
         return Principal(rec.name)
 
     # -- creation rate ---------------------------------------------------------------

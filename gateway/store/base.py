@@ -39,7 +39,7 @@ class SessionStore(abc.ABC):
     async def list(self, node: Optional[str] = None) -> List[SandboxRecord]: ...
 
     # Tenants: one record per name (core/record.py TenantRecord, with the
-    # token's salted hash, never the token). A fleet store shares them across
+    # token's keyed hash, never the token). A fleet store shares them across
     # nodes; ``create_tenant`` must be atomic (Redis: SET NX / HSETNX).
     @abc.abstractmethod
     async def create_tenant(self, record: TenantRecord) -> bool:
@@ -50,6 +50,12 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def list_tenants(self) -> List[TenantRecord]: ...
+
+    @abc.abstractmethod
+    async def replace_tenant(self, record: TenantRecord, token_hash: str) -> bool:
+        """Overwrite the tenant's record only if its stored ``token_hash`` is still
+        the one given, atomically (a token check rehashing it, core/tenants.py);
+        False (nothing written) otherwise."""
 
     @abc.abstractmethod
     async def delete_tenant(self, name: str) -> bool:

@@ -8,7 +8,8 @@ runs as one Lua script, so nothing is read-then-written across round trips:
   ``sandgate:node:<node>:sandboxes`` are sets of ids (moved together with a
   record's node);
 - ``sandgate:tenant:<name>``: a tenant's JSON (token hash only), created with
-  SET NX; ``sandgate:tenants`` the set of names;
+  SET NX, rewritten only if its token hash is still the one read (a script);
+  ``sandgate:tenants`` the set of names;
 - ``sandgate:nbs:<id>``: a Jupyter session's hash (``record``, ``owner``,
   ``path``); ``sandgate:nbpath:<owner>`` a hash path -> session id (who holds
   a path, taken in the same script that writes the session);
@@ -84,6 +85,14 @@ redis.call('SADD', ARGV[5] .. 'nbsessions', ARGV[1])
 return 1
 """
 
+# replace_tenant: write ARGV[1] only if the stored record's token_hash is still ARGV[2].
+REPLACE_TENANT = """
+local raw = redis.call('GET', KEYS[1])
+if not raw or cjson.decode(raw)['token_hash'] ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+
 # delete_session: ARGV: id, key prefix.
 DELETE_SESSION = """
 local key = ARGV[2] .. 'nbs:' .. ARGV[1]
@@ -109,6 +118,7 @@ class RedisStore(SessionStore):
         self._delete = self.redis.register_script(DELETE)
         self._put_session = self.redis.register_script(PUT_SESSION)
         self._delete_session = self.redis.register_script(DELETE_SESSION)
+        self._replace_tenant = self.redis.register_script(REPLACE_TENANT)
 
     def _key(self, sandbox_id: str) -> str:
         return f"{self.prefix}sb:{sandbox_id}"
@@ -162,6 +172,10 @@ class RedisStore(SessionStore):
         names = sorted(await self.redis.smembers(f"{self.prefix}tenants"))
         raws = await self.redis.mget([f"{self.prefix}tenant:{n}" for n in names]) if names else []
         return [TenantRecord.model_validate_json(r) for r in raws if r]
+
+    async def replace_tenant(self, record: TenantRecord, token_hash: str) -> bool:
+        return bool(await self._replace_tenant(keys=[f"{self.prefix}tenant:{record.name}"],
+                                               args=[record.model_dump_json(), token_hash]))
 
     async def delete_tenant(self, name: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -87,6 +87,11 @@ class SQLiteStore(SessionStore):
     async def list_tenants(self) -> List[TenantRecord]:
         return [TenantRecord.model_validate_json(r[0]) for r in self.db.execute("SELECT record FROM tenants ORDER BY name")]
 
+    async def replace_tenant(self, record: TenantRecord, token_hash: str) -> bool:
+        cur = self.db.execute("UPDATE tenants SET record = ? WHERE name = ? AND json_extract(record, '$.token_hash') = ?",
+                              (record.model_dump_json(), record.name, token_hash))
+        return cur.rowcount == 1
+
     async def delete_tenant(self, name: str) -> bool:
         return self.db.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount == 1
 
