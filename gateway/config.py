@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
-from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator
+from pydantic import BaseModel, Field, FilePath, SecretStr, ValidationError, field_validator
 
 from .drivers.base import Limits
 
@@ -87,6 +87,34 @@ class Settings(BaseModel):
     redis_prefix: str = "sandgate:"  # key prefix: fleets (or test runs) sharing one Redis
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     node_url: str = ""  # how other nodes reach this one; "" = http://<ip>:<port> as served
+    # The fleet's shared key (core/fleetauth.py): signs heartbeats and forwarded requests, and seals secret
+    # values at rest. Every node of a fleet has the same; a fleet node does not start without it.
+    fleet_key: Optional[SecretStr] = None
+    fleet_key_file: Optional[FilePath] = None  # the key in a file instead (its first line)
+    # TLS to Redis (a rediss:// URL): the CA that signed the server's certificate, and a client certificate.
+    redis_ca_file: Optional[FilePath] = None
+    redis_cert_file: Optional[FilePath] = None
+    redis_key_file: Optional[FilePath] = None
+
+    MIN_FLEET_KEY: ClassVar[int] = 32
+
+    def fleet_secret(self) -> Optional[str]:
+        """The fleet key (from SANDGATE_FLEET_KEY or its file); None when neither is set.
+        SystemExit when it is too short to be a key."""
+        key = self.fleet_key.get_secret_value() if self.fleet_key else None
+        if self.fleet_key_file is not None:
+            lines = self.fleet_key_file.read_text().splitlines()
+            key = lines[0].strip() if lines else ""
+        if key is not None and len(key) < self.MIN_FLEET_KEY:
+            raise SystemExit(f"sandgate: invalid setting: the fleet key has {len(key)} characters, at least "
+                             f"{self.MIN_FLEET_KEY} are needed (e.g. `openssl rand -hex 32`)")
+        return key
+
+    def redis_tls(self) -> dict:
+        """redis-py's ssl_* options for a rediss:// URL."""
+        opts = {"ssl_ca_certs": self.redis_ca_file, "ssl_certfile": self.redis_cert_file,
+                "ssl_keyfile": self.redis_key_file}
+        return {k: str(v) for k, v in opts.items() if v is not None}
 
     @field_validator("egress_hosts")
     @classmethod
@@ -119,7 +147,9 @@ class Settings(BaseModel):
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
-        "node_url": "SANDGATE_NODE_URL",
+        "node_url": "SANDGATE_NODE_URL", "fleet_key": "SANDGATE_FLEET_KEY", "fleet_key_file": "SANDGATE_FLEET_KEY_FILE",
+        "redis_ca_file": "SANDGATE_REDIS_CA_FILE", "redis_cert_file": "SANDGATE_REDIS_CERT_FILE",
+        "redis_key_file": "SANDGATE_REDIS_KEY_FILE",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}
