@@ -28,6 +28,7 @@ def cmd_serve(args) -> int:
     from .core.culler import Culler
     from .core.fleet import Fleet
     from .core.fleetauth import FleetAuth
+    from .store.seal import SealError
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
                              max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
@@ -87,7 +88,10 @@ def cmd_serve(args) -> int:
             from .store.redis import redact
             raise SystemExit(f"sandgate: cannot use the session store {redact(settings.redis_url) or 'sessions.db'}: "
                              f"{type(e).__name__}: {e}") from None
-        await manager.recover()
+        try:
+            await manager.recover()
+        except SealError as e:  # a record whose sealed secret does not open: say which, start nothing
+            raise SystemExit(f"sandgate: {e}") from None
         default = manager.specs.get(manager.specs.default).driver
         manager.pool.refill(default)  # other drivers warm up after their first sandbox starts
         culler = Culler(manager)

@@ -2,9 +2,9 @@
 
 Redis is shared state, not a credential: whoever can write it can rewrite a node's URL. So
 
-- **heartbeats are signed**: a node's heartbeat carries an HMAC over its node id, URL and time,
-  and a node forwards only to a node whose heartbeat verifies (and is at most ``WINDOW`` s old);
-  a URL written into Redis by anyone else is not a node;
+- **heartbeats are signed**: a node's heartbeat carries an HMAC over its node id and every field
+  (URL, capacity, time), and a node forwards only to a node whose heartbeat verifies (and is at
+  most ``WINDOW`` s old); a URL written into Redis by anyone else is not a node;
 - **forwarded requests carry no caller credential**: the forwarding node authenticated the caller
   and states who it is (``X-Sandgate-Principal``); the request is signed with an HMAC over method,
   URI, body hash, time, a nonce, the sending and the receiving node's ids and that principal
@@ -60,13 +60,15 @@ class FleetAuth:
         self._nonces: "collections.OrderedDict[str, float]" = collections.OrderedDict()
 
     # -- heartbeats ------------------------------------------------------------------
-    def _beat_mac(self, node: str, url: str, ts: float) -> str:
-        msg = json.dumps(["sandgate-heartbeat-v1", node, url, ts]).encode()
+    def _beat_mac(self, node: str, info: dict) -> str:
+        # every field (URL, capacity, time): a signed heartbeat cannot be edited, only replayed within WINDOW
+        body = {k: v for k, v in info.items() if k != "sig"}
+        msg = json.dumps(["sandgate-heartbeat-v1", node, body], sort_keys=True).encode()
         return hmac.new(self._beat_key, msg, hashlib.sha256).hexdigest()
 
     def sign_heartbeat(self, info: dict) -> dict:
-        ts = round(self.clock(), 3)
-        return {**info, "ts": ts, "sig": self._beat_mac(self.node, info.get("url", ""), ts)}
+        info = {**info, "ts": round(self.clock(), 3)}
+        return {**info, "sig": self._beat_mac(self.node, info)}
 
     def heartbeat_ok(self, node: str, info: dict) -> bool:
         """Whether ``info`` is a heartbeat ``node`` signed with the fleet key, not older than WINDOW."""
@@ -75,7 +77,10 @@ class FleetAuth:
             return False
         if abs(self.clock() - ts) > WINDOW:
             return False
-        return hmac.compare_digest(sig, self._beat_mac(node, url, ts))
+        try:
+            return hmac.compare_digest(sig, self._beat_mac(node, info))
+        except (TypeError, ValueError):  # fields JSON cannot order or encode: not a heartbeat a node wrote
+            return False
 
     # -- forwarded requests --------------------------------------------------------------
     def _request_mac(self, method: str, uri: str, body: bytes, ts: str, nonce: str, frm: str, to: str,
