@@ -246,14 +246,15 @@ def run(args) -> int:
         shared = logdir / "checkpoints"
         shared.mkdir()
         per_node = max(16, n_kernels // 3 + 8)
-        token = os.urandom(16).hex()
+        token, fleet_key = os.urandom(16).hex(), os.urandom(32).hex()
         for name in "abc":
             env = {"SANDGATE_REDIS_URL": redis.url, "SANDGATE_WARM_START": "false", "SANDGATE_NODE_ID": f"node-{name}",
                    "SANDGATE_CHECKPOINT_STORE": str(shared), "SANDGATE_MAX_KERNELS": str(per_node),
                    "SANDGATE_KEEP_SANDBOXES": "false", "SANDGATE_TENANT_CREATE_RATE": "0",
-                   "SANDGATE_TENANT_MAX_SANDBOXES": "0", "SANDGATE_TENANT_MAX_MEMORY_MB": "0"}
+                   "SANDGATE_TENANT_MAX_SANDBOXES": "0", "SANDGATE_TENANT_MAX_MEMORY_MB": "0",
+                   "SANDGATE_FLEET_KEY": fleet_key}
             t = SandgateTarget(logdir, home, f"node-{name}", env)
-            t.token = token  # one admin token across the fleet: forwarded requests carry it
+            t.token = token  # one admin token across the fleet
             nodes.append(t)
         for t in nodes:
             progress(f"starting {t.name} on port {t.port} (log {t.log_path})")

@@ -13,8 +13,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import SandgateError
-from .models import Execution
+from .errors import NotFound, SandgateError
+from .models import Execution, SandboxInfo
 from .sandbox import Sandbox
 
 MAX_TEXT = 100_000  # characters of output or file text a tool result carries (the rest is cut, and says so)
@@ -70,7 +70,7 @@ class Fork(_Args):
 
 
 class Restore(_Args):
-    """Start a new sandbox from a checkpoint (of any sandbox of this session) and continue in it: memory and
+    """Start a new sandbox from a checkpoint (of a sandbox of this session) and continue in it: memory and
     files are as they were when the checkpoint was taken."""
 
     checkpoint: str = Field(min_length=1, description="checkpoint id, from the checkpoint tool")
@@ -225,6 +225,10 @@ class ToolSession:
         self.url, self.token = (sandbox._http.url, sandbox._http.token) if sandbox is not None else (url, token)
         self.restore_args = restore_args or {}  # what restore passes to Sandbox.create (labels, driver, ttl)
         self.sandboxes: List[Sandbox] = [sandbox] if (sandbox is not None and own) else []
+        # Every sandbox this session worked in, owned or given: restore takes only their checkpoints. The
+        # gateway's token may reach far more (an admin's reaches every tenant's checkpoints, and two MCP
+        # sessions share one token), so the gateway's check alone would let one session restore another's.
+        self.lineage: set = {sandbox.id} if sandbox is not None else set()
         self.lock = threading.Lock()
 
     @property
@@ -232,6 +236,7 @@ class ToolSession:
         if self._sandbox is None:
             self._sandbox = self._create()
             self.sandboxes.append(self._sandbox)
+            self.lineage.add(self._sandbox.id)
         return self._sandbox
 
     @property
@@ -240,7 +245,22 @@ class ToolSession:
 
     def switch(self, sb: Sandbox) -> None:
         self.sandboxes.append(sb)
+        self.lineage.add(sb.id)
         self._sandbox = sb
+
+    def owns_checkpoint(self, checkpoint: str) -> bool:
+        """Whether ``checkpoint`` was taken of one of this session's sandboxes (asked of the gateway: a
+        fork from now, or a checkpoint made outside the tools, counts too)."""
+        if self._sandbox is None:
+            return False
+        http = self._sandbox._http
+        for sid in sorted(self.lineage):
+            try:
+                if any(cp.id == checkpoint for cp in Sandbox(SandboxInfo.from_json({"id": sid}), http).checkpoints()):
+                    return True
+            except NotFound:
+                continue  # deleted meanwhile: its checkpoints went with it, or are another sandbox's now
+        return False
 
     def close(self) -> List[str]:
         """Delete the sandboxes this session owns; the ids deleted."""
@@ -302,9 +322,12 @@ def _dispatch(session: ToolSession, name: str, args: _Args) -> ToolResult:
             return r
         return execution_result(ex)
     if name == "restore":
+        if not session.owns_checkpoint(args.checkpoint):
+            # The gateway's own words for an id that does not exist: nothing said about others' checkpoints.
+            raise NotFound(f"No such checkpoint: {args.checkpoint} (this session restores only checkpoints of "
+                           "its own sandboxes)", status=404, code="not_found")
         sb = session._sandbox
-        url, token = (sb._http.url, sb._http.token) if sb is not None else (session.url, session.token)
-        new = Sandbox.restore(args.checkpoint, url, token, **session.restore_args)
+        new = Sandbox.restore(args.checkpoint, sb._http.url, sb._http.token, **session.restore_args)
         session.switch(new)
         return ToolResult([{"type": "text", "text": f"started sandbox {new.id} from checkpoint {args.checkpoint}; "
                                                     "later calls run in it"}], False,

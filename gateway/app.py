@@ -21,6 +21,7 @@ from .egress.proxy import EgressProxy, table_resolver
 from .drivers import DRIVERS
 from .kernelspecs import KernelSpecs
 from .store.redis import RedisStore
+from .store.seal import Sealer
 from .store.sqlite import SQLiteStore
 
 log = logging.getLogger("sandgate")
@@ -40,9 +41,12 @@ def available_drivers(settings: Settings) -> dict:
 def make_service(settings: Settings) -> SandboxService:
     drivers = available_drivers(settings)
     if settings.redis_url:
-        store = RedisStore(settings.redis_url, node=settings.node_id, prefix=settings.redis_prefix)
+        # Records move between nodes: their secret values are sealed with a key from the fleet key.
+        key = settings.fleet_secret()
+        store = RedisStore(settings.redis_url, node=settings.node_id, prefix=settings.redis_prefix,
+                           sealer=Sealer.from_fleet_key(key) if key else None, tls=settings.redis_tls())
     else:
-        store = SQLiteStore(settings.home / "sessions.db")
+        store = SQLiteStore(settings.home / "sessions.db")  # sealed with the home's secrets.key
     manager = SandboxManager(settings, drivers, KernelSpecs(list(drivers), settings.default_driver), store)
     metrics.watch(manager)
     return SandboxService(manager)

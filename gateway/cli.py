@@ -26,6 +26,8 @@ def cmd_serve(args) -> int:
     from .malloc import return_large_blocks
     from .core.culler import Culler
     from .core.fleet import Fleet
+    from .core.fleetauth import FleetAuth
+    from .store.seal import SealError
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
                              max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
@@ -37,6 +39,13 @@ def cmd_serve(args) -> int:
                              tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst,
                              egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts,
                              redis_url=args.redis_url, node_id=args.node_id)
+    if settings.redis_url and not settings.fleet_secret():
+        # Without it a node would have to trust whatever the store says another node is (issue 29).
+        print("sandgate: a fleet node (SANDGATE_REDIS_URL is set) needs the fleet's key: set SANDGATE_FLEET_KEY "
+              "(or SANDGATE_FLEET_KEY_FILE) to the same secret of at least 32 characters on every node, e.g. "
+              "`openssl rand -hex 32`; it authenticates the nodes to each other and seals secret values in Redis",
+              file=sys.stderr)
+        return 1
     generated = settings.token is None
     if settings.token == "":
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
@@ -78,7 +87,18 @@ def cmd_serve(args) -> int:
         app = make_app(settings, service)
         manager = service.manager
         proxy = await start_egress(settings, manager)
-        await manager.recover()
+        try:
+            await manager.store.reseal()  # the key checked; records from before sealing sealed now
+        except ValueError as e:  # SealError
+            raise SystemExit(f"sandgate: {e}") from None
+        except Exception as e:  # the store itself: Redis unreachable, AUTH or TLS refused (never the password)
+            from .store.redis import redact
+            raise SystemExit(f"sandgate: cannot use the session store {redact(settings.redis_url) or 'sessions.db'}: "
+                             f"{type(e).__name__}: {e}") from None
+        try:
+            await manager.recover()
+        except SealError as e:  # a record whose sealed secret does not open: say which, start nothing
+            raise SystemExit(f"sandgate: {e}") from None
         default = manager.specs.get(manager.specs.default).driver
         manager.pool.refill(default)  # other drivers warm up after their first sandbox starts
         culler = Culler(manager)
@@ -100,7 +120,7 @@ def cmd_serve(args) -> int:
         url = f"http://{settings.ip}:{port}"
         fleet = None
         if settings.redis_url:  # one node of a fleet: beat, and forward what other nodes hold
-            fleet = Fleet(manager, settings.node_url or url)
+            fleet = Fleet(manager, settings.node_url or url, FleetAuth(settings.fleet_secret(), settings.node_id))
             await fleet.beat()
             fleet.start()
             app.settings["fleet"] = fleet

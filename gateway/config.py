@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional
 
-from pydantic import BaseModel, Field, FilePath, ValidationError, field_validator
+from pydantic import BaseModel, Field, FilePath, SecretStr, ValidationError, field_validator
 
 from .drivers.base import Limits
 
@@ -85,7 +85,7 @@ class Settings(BaseModel):
     tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
     # The HMAC key tenant tokens are hashed with (core/tenants.py token_key); "": in a fleet derived from the
-    # serve token, alone a random one in home/tenant.key.
+    # fleet key, alone a random one in home/tenant.key.
     tenant_key: str = ""
     # extra CAs (PEM) the egress proxy trusts upstream besides the system store: private services
     egress_ca_bundle: Optional[FilePath] = None
@@ -100,6 +100,34 @@ class Settings(BaseModel):
     # The gateway process's own memory limit, a cgroup of its own (confine.py); its sandboxes and their
     # shims are outside it. 0: none (the service manager's, if any).
     gateway_memory_mb: int = Field(0, ge=0)
+    # The fleet's shared key (core/fleetauth.py): signs heartbeats and forwarded requests, and seals secret
+    # values at rest. Every node of a fleet has the same; a fleet node does not start without it.
+    fleet_key: Optional[SecretStr] = None
+    fleet_key_file: Optional[FilePath] = None  # the key in a file instead (its first line)
+    # TLS to Redis (a rediss:// URL): the CA that signed the server's certificate, and a client certificate.
+    redis_ca_file: Optional[FilePath] = None
+    redis_cert_file: Optional[FilePath] = None
+    redis_key_file: Optional[FilePath] = None
+
+    MIN_FLEET_KEY: ClassVar[int] = 32
+
+    def fleet_secret(self) -> Optional[str]:
+        """The fleet key (from SANDGATE_FLEET_KEY or its file); None when neither is set.
+        SystemExit when it is too short to be a key."""
+        key = self.fleet_key.get_secret_value() if self.fleet_key else None
+        if self.fleet_key_file is not None:
+            lines = self.fleet_key_file.read_text().splitlines()
+            key = lines[0].strip() if lines else ""
+        if key is not None and len(key) < self.MIN_FLEET_KEY:
+            raise SystemExit(f"sandgate: invalid setting: the fleet key has {len(key)} characters, at least "
+                             f"{self.MIN_FLEET_KEY} are needed (e.g. `openssl rand -hex 32`)")
+        return key
+
+    def redis_tls(self) -> dict:
+        """redis-py's ssl_* options for a rediss:// URL."""
+        opts = {"ssl_ca_certs": self.redis_ca_file, "ssl_certfile": self.redis_cert_file,
+                "ssl_keyfile": self.redis_key_file}
+        return {k: str(v) for k, v in opts.items() if v is not None}
 
     @field_validator("egress_hosts")
     @classmethod
@@ -137,6 +165,9 @@ class Settings(BaseModel):
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
         "node_url": "SANDGATE_NODE_URL", "gateway_memory_mb": "SANDGATE_GATEWAY_MEMORY_MB",
+        "fleet_key": "SANDGATE_FLEET_KEY", "fleet_key_file": "SANDGATE_FLEET_KEY_FILE",
+        "redis_ca_file": "SANDGATE_REDIS_CA_FILE", "redis_cert_file": "SANDGATE_REDIS_CERT_FILE",
+        "redis_key_file": "SANDGATE_REDIS_KEY_FILE",
     }
     LIMIT_ENV: ClassVar[Dict[str, str]] = {"memory_mb": "SANDGATE_MEMORY_MB", "cpus": "SANDGATE_CPUS",
                                            "pids": "SANDGATE_PIDS", "disk_mb": "SANDGATE_DISK_MB"}

@@ -30,8 +30,7 @@ HOME = Path(os.environ.get("SANDGATE_HOME") or default_home())
 # benches, a browser and notebooks. `pytest -m "not slow"` runs the core alone.
 SLOW_FILES = ("test_qemu", "test_qemu_confinement", "test_fleet", "test_fleet_executions",
               "test_fleet_sessions", "test_bench_density", "test_bench_egress", "test_bench_fleet", "test_bench_hostile",
-              "test_bench_load",
-              "test_jupyterlab_browser", "test_notebooks")
+              "test_bench_load", "test_jupyterlab_browser", "test_notebooks", "test_hostile_trust_fleet")
 SLOW_PARAMS = ("qemu", "gvisor-runsc-trixie")
 
 

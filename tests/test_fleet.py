@@ -25,13 +25,18 @@ def redis(tmp_path):
     server.stop()
 
 
+FLEET_KEY = "test-fleet-key-0123456789abcdef0123456789abcdef"  # every node of a test fleet has it
+
+
 def fleet_env(server: RedisServer, **extra) -> dict:
-    return {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", **extra}
+    return {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_FLEET_KEY": FLEET_KEY,
+            **extra}
 
 
 def test_a_gateway_keeps_its_sandboxes_and_tenants_in_redis(home, tmp_path, redis):
     server = redis
-    env = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_NODE_ID": "node-a", "SANDGATE_KEEP_SANDBOXES": "true"}
+    env = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_NODE_ID": "node-a", "SANDGATE_KEEP_SANDBOXES": "true",
+           "SANDGATE_FLEET_KEY": FLEET_KEY}
     g = Gateway(home, tmp_path, env=env)
     g2 = None
     try:

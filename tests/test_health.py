@@ -69,7 +69,7 @@ def test_healthz_is_503_during_a_drain_while_livez_stays_200(home, tmp_path):
     redis_dir.mkdir()
     server = RedisServer(redis_dir)
     env = {"SANDGATE_REDIS_URL": server.url, "SANDGATE_WARM_START": "false", "SANDGATE_CHECKPOINT_STORE": str(shared),
-           "SANDGATE_NODE_ID": "node-d"}
+           "SANDGATE_NODE_ID": "node-d", "SANDGATE_FLEET_KEY": "test-fleet-key-0123456789abcdef0123456789abcdef"}
     g = Gateway(home, tmp_path, env=env)
     drain = None
     try:

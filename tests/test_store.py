@@ -20,6 +20,7 @@ from sandgate.core.states import State
 from sandgate.egress.policy import EgressPolicy
 from sandgate.egress.secrets import Secret
 from sandgate.store.redis import RedisStore
+from sandgate.store.seal import Sealer
 from sandgate.store.sqlite import SQLiteStore
 
 
@@ -68,7 +69,8 @@ def make_store(request, tmp_path):
         else:
             server = getattr(request, "_redis", None) or RedisServer(tmp_path)
             request._redis = server
-            store = RedisStore(server.url, node=node, prefix="t:")
+            store = RedisStore(server.url, node=node, prefix="t:",
+                               sealer=Sealer.from_fleet_key("test-fleet-key-0123456789abcdef0123456789abcdef"))
         made.append(store)
         return store
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from tornado import web
 
 from ..core.errors import SandgateError
+from ..core.fleetauth import AUTH as FLEET_AUTH, FleetAuthError
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
 from .forward import FORWARDED, forward_http, gather
@@ -28,14 +29,33 @@ class AuthMixin:
     the serve token is the admin, a tenant's token that tenant."""
 
     who: Optional[Principal] = None  # the caller, once authenticated; handlers pass it to the service
+    forwarded = False  # a request another node of the fleet forwarded here, signed: answered here
 
     async def authenticate(self) -> Optional[Principal]:
         """The caller, or None (401)."""
-        token = self.settings["sandgate"].token
+        if FLEET_AUTH in self.request.headers:
+            return await self.fleet_principal()
         auth = self.request.headers.get("Authorization", "")
         scheme, _, value = auth.partition(" ")
         given = value.strip() if scheme.lower() in ("token", "bearer") else self.get_query_argument("token", "")
         return await self.principal(given)
+
+    async def fleet_principal(self) -> Optional[Principal]:
+        """The caller another node vouches for, with the fleet key (core/fleetauth.py); None (401)
+        if the signature does not verify or this gateway is not in a fleet."""
+        fleet = self.settings.get("fleet")
+        if fleet is None:
+            return None
+        try:
+            who, sender = fleet.auth.verify(self.request.method, self.request.uri, self.request.body or b"",
+                                            self.request.headers)
+        except FleetAuthError as e:
+            log.warning("%s %s: refused a forwarded request: %s", self.request.method, self.request.path, e)
+            return None
+        if not who.admin and await self.settings["service"].manager.store.get_tenant(who.tenant) is None:
+            return None  # deleted since the other node checked its token
+        self.forwarded = True
+        return who
 
     async def principal(self, given: str) -> Optional[Principal]:
         """Who the token ``given`` is: the admin, a tenant, or None (401)."""
@@ -48,11 +68,11 @@ class AuthMixin:
                 return tenant
         return None if token else ADMIN  # no serve token: authentication is off, every caller is the admin
 
-    async def remote_node(self) -> Optional[str]:
-        """The URL of the fleet node holding the sandbox this request names (its
-        first path argument), if that is another node; None otherwise."""
+    async def remote_node(self):
+        """The fleet node (core.fleet.Peer) holding the sandbox this request names
+        (its first path argument), if that is another node; None otherwise."""
         fleet = self.settings.get("fleet")
-        if fleet is None or not self.path_args or FORWARDED in self.request.headers:
+        if fleet is None or not self.path_args or self.forwarded or FORWARDED in self.request.headers:
             return None
         sid = self.path_args[0]
         if not SANDBOX_ID.fullmatch(sid or ""):
@@ -81,20 +101,20 @@ class APIHandler(AuthMixin, web.RequestHandler):
         self.who = await self.authenticate()
         if self.who is None:
             raise web.HTTPError(401)
-        url = await self.remote_node()
-        if url:  # the sandbox lives on another node: its answer is this one's
-            await forward_http(self, url, self.settings["sandgate"].node_id)
+        peer = await self.remote_node()
+        if peer:  # the sandbox lives on another node: its answer is this one's
+            await forward_http(self, peer)
 
     def fleet_wide(self):
         """The fleet, when this request is to be answered for the whole of it
         (not when another node forwarded it here)."""
         fleet = self.settings.get("fleet")
-        return None if fleet is None or FORWARDED in self.request.headers else fleet
+        return None if fleet is None or self.forwarded or FORWARDED in self.request.headers else fleet
 
     async def reply_list(self, local: list) -> None:
         """A list of sandboxes or kernels: this node's, and every other live node's."""
         fleet = self.fleet_wide()
-        others = await gather(self, await fleet.others(), self.settings["sandgate"].node_id) if fleet else []
+        others = await gather(self, await fleet.others()) if fleet else []
         self.reply(local + others)
 
     async def placed_elsewhere(self) -> bool:
@@ -103,10 +123,10 @@ class APIHandler(AuthMixin, web.RequestHandler):
         body = parse_json(self.request.body or b"{}")
         if isinstance(body, dict) and body.get("checkpoint"):
             return False  # a start from a checkpoint stays with the checkpoints, in this node's home
-        url = await fleet.place() if fleet else None
-        if url:
-            await forward_http(self, url, self.settings["sandgate"].node_id)
-        return bool(url)
+        peer = await fleet.place() if fleet else None
+        if peer:
+            await forward_http(self, peer)
+        return bool(peer)
 
     @property
     def service(self):

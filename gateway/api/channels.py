@@ -47,9 +47,10 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.who = await self.authenticate()
         if self.who is None:
             raise web.HTTPError(401)
-        url = await self.remote_node()
-        if url:  # on another node: this websocket is relayed there, frame by frame
-            self.relay = Relay(self, url, self.settings["sandgate"].node_id)
+        peer = await self.remote_node()
+        if peer:  # on another node: this websocket is relayed there, frame by frame
+            url = peer.url
+            self.relay = Relay(self, peer)
             offered = [p.strip() for p in self.request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
             try:
                 await self.relay.connect(self.select_subprotocol(offered))

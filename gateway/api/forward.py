@@ -1,10 +1,12 @@
 """Forwarding a request for a sandbox on another node of the fleet to that node.
 
-The caller's own credentials go along (every node of a fleet knows the same
-admin token and, through the shared store, every tenant's), so the node that
-holds the sandbox authenticates and scopes the request as if it had come to
-it directly. ``X-Sandgate-Forwarded`` names the node it came through and is
-never forwarded again. Bodies stream both ways as they arrive: a streamed
+The caller's own credentials do not go along: this node authenticated the
+caller, and the request carries who the caller is, signed with the fleet key
+for the node that holds the sandbox (core/fleetauth.py), which scopes it as if
+it had come to it directly. Only a node whose heartbeat is signed with that key
+is forwarded to (core/fleet.py), and a ``token`` in the query string is dropped.
+``X-Sandgate-Forwarded`` names the node it came through and is never forwarded
+again. Bodies stream both ways as they arrive: a streamed
 execute's events, and kernel websocket frames, are not gathered first.
 """
 
@@ -14,28 +16,47 @@ import asyncio
 import json
 import logging
 from typing import Dict, Optional
+from urllib.parse import parse_qsl, urlencode
 
 from tornado import httpclient, websocket
 from tornado.httputil import HTTPHeaders
 
 from .. import metrics
+from ..core.fleet import Peer
 from ..logformat import request_id
 
 log = logging.getLogger("sandgate.forward")
 FORWARDED = "X-Sandgate-Forwarded"
 # What a request carries to the other node, and what comes back to the client. Not Origin: this
 # node has checked it (and answers CORS itself); to the other node the request comes from this one.
-REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+# Not Authorization (nor a query's token): the fleet's signature stands for the caller there.
+REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
+CREDENTIAL_QUERY = ("token", "access_token", "api_key")
 RESPONSE_HEADERS = ("Content-Type", "Location", "Retry-After", "Cache-Control", "Content-Disposition")
 TIMEOUT = 3600.0  # an execute may run for its own timeout (at most an hour)
 
 
-def headers_for(request, node: str) -> dict:
+def forward_uri(uri: str) -> str:
+    """``uri`` without credentials in its query string."""
+    path, sep, query = uri.partition("?")
+    if not sep:
+        return uri
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() not in CREDENTIAL_QUERY]
+    return path + ("?" + urlencode(kept) if kept else "")
+
+
+def headers_for(handler, peer: Peer, method: Optional[str] = None, uri: Optional[str] = None,
+                body: bytes = b"") -> dict:
+    """The headers of ``handler``'s request (or of ``method`` ``uri`` on the caller's behalf) to
+    ``peer``: signed for that node with the caller as this node authenticated it."""
+    request = handler.request
     h = {k: request.headers[k] for k in REQUEST_HEADERS if k in request.headers}
     rid = request_id.get()
     if rid:  # the owner node logs the request under the same id
         h["X-Request-Id"] = rid
-    h[FORWARDED] = node
+    auth = handler.settings["fleet"].auth
+    h[FORWARDED] = auth.node
+    h.update(auth.sign(method or request.method, uri or forward_uri(request.uri), body, peer.node, handler.who))
     return h
 
 
@@ -46,11 +67,11 @@ def unavailable(base_url: str, why: object) -> dict:
                        f"the request may be retried (an execute with the same id runs at most once)"}
 
 
-async def forward_http(handler, base_url: str, node: str) -> None:
+async def forward_http(handler, peer: Peer) -> None:
     """Answer ``handler``'s request with the other node's answer. Event streams and file
     bodies stream as they arrive; a JSON answer is passed on whole, so that a node lost
     halfway still leaves the client a 503 with a reason rather than half a body."""
-    req = handler.request
+    req, base_url = handler.request, peer.url
     metrics.FORWARDED.labels("http").inc()
     status = {"code": 502, "reason": "Bad Gateway"}
     headers = HTTPHeaders()
@@ -92,9 +113,11 @@ async def forward_http(handler, base_url: str, node: str) -> None:
         handler.write(chunk)
         handler.flush()
 
+    body = req.body if req.method in ("POST", "PUT", "PATCH") else None
+    uri = forward_uri(req.uri)
     fetch = httpclient.HTTPRequest(
-        base_url.rstrip("/") + req.uri, method=req.method, headers=headers_for(req, node),
-        body=req.body if req.method in ("POST", "PUT", "PATCH") else None, allow_nonstandard_methods=True,
+        base_url.rstrip("/") + uri, method=req.method, headers=headers_for(handler, peer, req.method, uri, body or b""),
+        body=body, allow_nonstandard_methods=True,
         request_timeout=TIMEOUT, header_callback=on_header, streaming_callback=on_chunk, decompress_response=False)
     try:
         # HTTPClientError (599): the connection closed before the answer was whole (a node killed mid-call)
@@ -117,14 +140,15 @@ async def forward_http(handler, base_url: str, node: str) -> None:
     handler.finish()
 
 
-async def gather(handler, urls: Dict[str, str], node: str) -> list:
+async def gather(handler, urls: Dict[str, str]) -> list:
     """The same GET (a list) from each of ``urls`` (node -> URL), concatenated;
     a node that does not answer is left out, and logged."""
     client = httpclient.AsyncHTTPClient()
 
     async def one(name: str, base: str) -> list:
         try:
-            r = await client.fetch(base.rstrip("/") + handler.request.uri, headers=headers_for(handler.request, node),
+            uri = forward_uri(handler.request.uri)
+            r = await client.fetch(base.rstrip("/") + uri, headers=headers_for(handler, Peer(name, base), "GET", uri),
                                    request_timeout=10)
             return json.loads(r.body)
         except (OSError, httpclient.HTTPError, ValueError) as e:
@@ -139,8 +163,8 @@ async def gather(handler, urls: Dict[str, str], node: str) -> list:
 class Relay:
     """A kernel websocket to another node, relayed frame by frame both ways."""
 
-    def __init__(self, client: websocket.WebSocketHandler, base_url: str, node: str):
-        self.client, self.base_url, self.node = client, base_url, node
+    def __init__(self, client: websocket.WebSocketHandler, peer: Peer):
+        self.client, self.peer, self.base_url = client, peer, peer.url
         self.upstream: Optional[websocket.WebSocketClientConnection] = None
 
     async def connect(self, subprotocol: Optional[str]) -> None:
@@ -148,8 +172,9 @@ class Relay:
         the client is connected it is attached there (as a direct client is at its open), so it
         gets every iopub message from then on, and a node that cannot be reached is an HTTP error."""
         metrics.FORWARDED.labels("websocket").inc()
-        url = "ws" + self.base_url.rstrip("/")[4:] + self.client.request.uri
-        request = httpclient.HTTPRequest(url, headers=headers_for(self.client.request, self.node))
+        uri = forward_uri(self.client.request.uri)
+        url = "ws" + self.base_url.rstrip("/")[4:] + uri
+        request = httpclient.HTTPRequest(url, headers=headers_for(self.client, self.peer, "GET", uri))
         self.upstream = await websocket.websocket_connect(
             request, subprotocols=[subprotocol] if subprotocol else None,
             max_message_size=self.client.settings.get("websocket_max_message_size"))

@@ -174,19 +174,19 @@ class SessionsHandler(APIHandler):
     async def delete_kernel(self, kernel_id: str) -> None:
         """Stop the kernel on its own node (forwarded there if not this one)."""
         fleet = self.settings.get("fleet")
-        url = await fleet.locate(kernel_id, self.who) if fleet is not None else None
-        if url is None:
+        peer = await fleet.locate(kernel_id, self.who) if fleet is not None else None
+        if peer is None:
             try:
                 await self.service.delete(kernel_id, self.who)
             except NotFound:
                 pass
             return
+        uri = f"/api/kernels/{kernel_id}"
         r = await httpclient.AsyncHTTPClient().fetch(
-            f"{url.rstrip('/')}/api/kernels/{kernel_id}", method="DELETE",
-            headers=headers_for(self.request, self.settings["sandgate"].node_id), raise_error=False,
-            request_timeout=60)
+            peer.url.rstrip("/") + uri, method="DELETE", headers=headers_for(self, peer, "DELETE", uri),
+            raise_error=False, request_timeout=60)
         if r.code not in (204, 404):
-            raise error(502, f"could not delete kernel {kernel_id} on its node ({url}): HTTP {r.code}")
+            raise error(502, f"could not delete kernel {kernel_id} on its node ({peer.url}): HTTP {r.code}")
 
     async def new_kernel(self, name: Optional[str]) -> str:
         if name and name not in self.service.manager.specs.specs:

@@ -1,7 +1,8 @@
 """The fleet: several gateway nodes sharing one session store (store/redis.py).
 
-Each node writes a heartbeat with a TTL (its URL, free capacity); a request
-for a sandbox held by another live node is forwarded there (api/forward.py).
+Each node writes a heartbeat with a TTL (its URL, free capacity), signed with
+the fleet key (core/fleetauth.py); a request for a sandbox held by another
+live node, one whose heartbeat verifies, is forwarded there (api/forward.py).
 A node whose heartbeat expired is not answering: its sandboxes are reported
 unavailable, naming the node. Restoring them elsewhere from shared checkpoint
 storage is not done yet (docs/operations.md says what is).
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, NamedTuple, Optional
 
 from .errors import Conflict, Unavailable
+from .fleetauth import FleetAuth
 from .tenants import Principal
 
 if TYPE_CHECKING:
@@ -24,10 +26,19 @@ HEARTBEAT_INTERVAL = 2.0
 HEARTBEAT_TTL = 10.0  # five missed beats: the node is taken for gone
 
 
+class Peer(NamedTuple):
+    """Another live node: its id (what a forwarded request is signed for) and its URL."""
+
+    node: str
+    url: str
+
+
 class Fleet:
-    def __init__(self, manager: "SandboxManager", url: str):
-        self.manager, self.url = manager, url
+    def __init__(self, manager: "SandboxManager", url: str, auth: FleetAuth):
+        self.manager, self.url, self.auth = manager, url, auth
         self.store = manager.store
+        self._refused: Dict[str, str] = {}  # node -> URL of a heartbeat that did not verify (logged once)
+        self.unverified: set = set()  # nodes whose heartbeat did not verify, at the last look
         self.failures = 0
         self._task: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
@@ -39,7 +50,7 @@ class Fleet:
         return {"url": self.url, "capacity": max(0, free), "sandboxes": len(self.manager.sandboxes)}
 
     async def beat(self) -> None:
-        await self.store.heartbeat(self.store.node, HEARTBEAT_TTL, self.info())
+        await self.store.heartbeat(self.store.node, HEARTBEAT_TTL, self.auth.sign_heartbeat(self.info()))
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -64,8 +75,24 @@ class Fleet:
             except asyncio.TimeoutError:
                 pass
 
+    async def live(self) -> Dict[str, dict]:
+        """The live nodes whose heartbeat is signed with the fleet key; others are not nodes (a URL
+        written into Redis by someone without the key, or a node with another key), logged once."""
+        out, self.unverified = {}, set()
+        for node, info in (await self.store.live_nodes()).items():
+            if node == self.store.node or self.auth.heartbeat_ok(node, info):
+                out[node] = info
+                self._refused.pop(node, None)
+                continue
+            self.unverified.add(node)
+            if self._refused.get(node) != info.get("url"):
+                self._refused[node] = info.get("url")
+                log.warning("node %s: its heartbeat (url %r) is not signed with this fleet key: not trusted, "
+                            "nothing is forwarded to it", node, info.get("url"))
+        return out
+
     async def nodes(self) -> Dict[str, dict]:
-        return await self.store.live_nodes()
+        return {n: {k: v for k, v in i.items() if k != "sig"} for n, i in (await self.live()).items()}
 
     async def drain(self):
         """Hand every sandbox of this node off (Manager.hand_off), one at a time,
@@ -91,28 +118,31 @@ class Fleet:
 
     async def others(self) -> Dict[str, str]:
         """node -> URL of every other live node."""
-        return {n: i["url"] for n, i in (await self.store.live_nodes()).items()
+        return {n: i["url"] for n, i in (await self.live()).items()
                 if n != self.store.node and i.get("url")}
 
-    async def place(self) -> Optional[str]:
-        """Where a new sandbox goes: the URL of the live node with the most free
-        capacity, if that is not this one (ties stay here); None: here."""
+    async def place(self) -> Optional[Peer]:
+        """Where a new sandbox goes: the live node with the most free capacity,
+        if that is not this one (ties stay here); None: here."""
         mine = self.info()["capacity"]
-        best = max(((i.get("capacity", 0), n, i.get("url")) for n, i in (await self.store.live_nodes()).items()
+        best = max(((i.get("capacity", 0), n, i.get("url")) for n, i in (await self.live()).items()
                     if n != self.store.node and i.get("url")), default=None)
-        return best[2] if best and best[0] > mine else None
+        return Peer(best[1], best[2]) if best and best[0] > mine else None
 
-    async def locate(self, sandbox_id: str, who: Principal) -> Optional[str]:
-        """The URL of the live node that holds ``sandbox_id``, if that is not
-        this one; None when it is here or nowhere (the caller answers 404)."""
+    async def locate(self, sandbox_id: str, who: Principal) -> Optional[Peer]:
+        """The live node that holds ``sandbox_id``, if that is not this one;
+        None when it is here or nowhere (the caller answers 404)."""
         if sandbox_id in self.manager.sandboxes:
             return None
         rec = await self.store.get(sandbox_id)
         if rec is None or rec.node == self.store.node or not who.sees(rec.owner):
             return None
-        info = (await self.store.live_nodes()).get(rec.node)
+        info = (await self.live()).get(rec.node)
         if info and info.get("url"):
-            return info["url"]
+            return Peer(rec.node, info["url"])
+        if rec.node in self.unverified:  # a heartbeat is there, unsigned: maybe the node lives; take nothing over
+            raise Unavailable(f"sandbox {sandbox_id} is on node {rec.node}, whose heartbeat in the store is not signed "
+                              "with this fleet's key: nothing is sent to it")
         if self.draining:
             raise Unavailable(f"node {self.store.node} is draining: ask another node for sandbox {sandbox_id}")
         gone = (f"its node {rec.node} stopped answering (no heartbeat for {HEARTBEAT_TTL:g} s)" if rec.node

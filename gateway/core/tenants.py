@@ -91,13 +91,15 @@ class TenantModel(BaseModel):
 
 def token_key(settings: Settings) -> bytes:
     """The key tenant tokens are hashed with: ``SANDGATE_TENANT_KEY``; else, in a
-    fleet, one derived from the serve token every node has; else a random key
-    made once in the home (0600). Never in the store, so a copy of the store
-    (a backup, a Redis dump) cannot even check a guess (docs/security.md#tenants)."""
+    fleet, one derived from the fleet key every node has (not from the serve token:
+    rotating that must not lock every tenant out); else a random key made once in
+    the home (0600). Never in the store, so a copy of the store (a backup, a Redis
+    dump) cannot even check a guess (docs/security.md#tenants)."""
     if settings.tenant_key:
         return hashlib.sha256(b"sandgate-tenant-key\0" + settings.tenant_key.encode()).digest()
-    if settings.redis_url and settings.token:
-        return hmac.new(settings.token.encode(), b"sandgate-tenant-key", "sha256").digest()
+    fleet_key = settings.fleet_secret() if settings.redis_url else None
+    if fleet_key:
+        return hmac.new(fleet_key.encode(), b"sandgate-tenant-key", "sha256").digest()
     return home_key(settings.home / KEY_FILE)
 
 

@@ -19,18 +19,29 @@ runs as one Lua script, so nothing is read-then-written across round trips:
 
 Keys carry an optional prefix (``SANDGATE_REDIS_PREFIX``) so that fleets, or
 test runs, can share one Redis.
+
+Secret values in records are sealed (store/seal.py) with a key derived from the
+fleet key; ``sandgate:sealcheck`` holds that key's check value, so a node with
+another key refuses to start. The URL goes to redis-py as it is: ``redis://user:
+password@host`` for AUTH and ACL users, ``rediss://`` for TLS (the CA, and a
+client certificate, from settings); it is never logged (``redact``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from typing import Dict, List, Optional
 
 from redis import asyncio as aioredis
 
 from ..core.record import NotebookSessionRecord, SandboxRecord, TenantRecord
 from ..core.states import State
+from . import seal
 from .base import SessionStore
+
+log = logging.getLogger("sandgate.store")
 
 # The record's JSON is stored as given (Lua's cjson would turn [] into {}); the
 # authoritative version is the hash's field, laid over the record on reading.
@@ -106,13 +117,30 @@ redis.call('SREM', ARGV[2] .. 'nbsessions', ARGV[1])
 return 1
 """
 
+# reseal: replace a record's JSON only if it is still the one read (ARGV[1]); the version stays.
+RESEAL = """
+if redis.call('HGET', KEYS[1], 'record') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'record', ARGV[2])
+return 1
+"""
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    url = re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1[redacted]@", url)
+    return re.sub(r"([?&]password=)[^&]*", r"\1[redacted]", url)
+
 
 class RedisStore(SessionStore):
-    def __init__(self, url: str, node: str, prefix: str = "sandgate:"):
+    def __init__(self, url: str, node: str, prefix: str = "sandgate:", sealer: Optional[seal.Sealer] = None,
+                 tls: Optional[dict] = None):
+        """``tls``: redis-py's ssl_* options (ssl_ca_certs, ssl_certfile, ssl_keyfile) for a rediss:// URL."""
         self.node = node
         self.prefix = prefix
+        self.sealer = sealer  # None: records with secrets are refused (SealError), never stored in clear
         self.redis = aioredis.from_url(url, decode_responses=True, health_check_interval=10,
-                                       retry_on_timeout=True)
+                                       retry_on_timeout=True, **(tls or {}))
+        self._reseal = self.redis.register_script(RESEAL)
         self._put = self.redis.register_script(PUT)
         self._cas = self.redis.register_script(CAS)
         self._delete = self.redis.register_script(DELETE)
@@ -124,14 +152,33 @@ class RedisStore(SessionStore):
         return f"{self.prefix}sb:{sandbox_id}"
 
     def _args(self, record: SandboxRecord) -> list:
-        # The record's own serializer keeps secret values, for the proxy of whichever node holds it.
-        return [record.model_dump_json(), record.state.value, record.node, record.id, self.prefix]
+        # Secret values are kept, sealed, for the proxy of whichever node holds it.
+        return [seal.dump(record, self.sealer), record.state.value, record.node, record.id, self.prefix]
 
-    @staticmethod
-    def _record(raw: Optional[str], version: Optional[str]) -> Optional[SandboxRecord]:
+    def _record(self, raw: Optional[str], version: Optional[str]) -> Optional[SandboxRecord]:
         if not raw:
             return None
-        return SandboxRecord.model_validate_json(raw).model_copy(update={"version": int(version or 0)})
+        return seal.load(raw, self.sealer)[0].model_copy(update={"version": int(version or 0)})
+
+    async def reseal(self) -> int:
+        if self.sealer is None:
+            return 0
+        check = f"{self.prefix}sealcheck"
+        if not await self.redis.set(check, self.sealer.check, nx=True):
+            if await self.redis.get(check) != self.sealer.check:
+                raise seal.SealError(f"the fleet's secret values in Redis ({check}) were sealed with another key: "
+                                     "this node's SANDGATE_FLEET_KEY differs from the other nodes'")
+        n = 0
+        for sid in sorted(await self.redis.smembers(f"{self.prefix}sandboxes")):
+            raw = await self.redis.hget(self._key(sid), "record")
+            if not raw:
+                continue
+            rec, clear = seal.load(raw, self.sealer)
+            if clear:
+                n += await self._reseal(keys=[self._key(sid)], args=[raw, seal.dump(rec, self.sealer)])
+        if n:
+            log.info("sealed the secret values of %d sandbox records stored in clear", n)
+        return n
 
     async def get(self, sandbox_id: str) -> Optional[SandboxRecord]:
         return self._record(*await self.redis.hmget(self._key(sandbox_id), "record", "version"))

@@ -149,7 +149,7 @@ def test_a_scrypt_record_is_checked_once_then_rehashed(home, tmp_path):
 @run
 async def test_the_key_is_what_a_fleet_shares_and_never_in_the_store(tmp_path, caplog):
     """Two nodes on one store: with SANDGATE_TENANT_KEY, or in a fleet with no key
-    (derived from the serve token every node has), each checks the other's
+    (derived from the fleet key every node has), each checks the other's
     tokens; two single gateways' own home keys do not, and the log says why."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -162,7 +162,7 @@ async def test_the_key_is_what_a_fleet_shares_and_never_in_the_store(tmp_path, c
     assert b"shared-secret" not in raw and made["token"].split(".", 2)[2].encode() not in raw
     assert not (tmp_path / "a" / "tenant.key").exists()  # a key given is not written anywhere
 
-    fleet = dict(redis_url="redis://127.0.0.1:1/0", token="serve-token")  # only its presence matters here
+    fleet = dict(redis_url="redis://127.0.0.1:1/0", fleet_key="k" * 32)  # the URL's presence is what matters here
     c, d = make(tmp_path / "a", **fleet), make(tmp_path / "b", **fleet)
     d.tenants.store = c.tenants.store
     made = await c.create_tenant(TenantCreate(name="fleet"))
