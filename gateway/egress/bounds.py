@@ -7,7 +7,7 @@ until it is whole (up to 16 MiB), and every event that arrives while a layer wai
 upstream connect. Code in a sandbox could make the gateway hold gigabytes (one 100 MiB head: +491 MB),
 and an oversized head reached upstream. mitmproxy has no option for any of this, so three small bounds:
 
-- ``gate`` (installed per connection by the proxy's ``client_connected``): a client connection is not
+- ``Gate`` (installed on each connection by the proxy's ``client_connected``): a client connection is not
   read while a hook or an upstream connect of its connection is in flight. Its bytes wait in the socket,
   and behind it in the agent's tunnel window, instead of in mitmproxy's queues: back-pressure, not a
   limit, so a large upload to an allowed host is never cut.
@@ -151,14 +151,16 @@ class _Watched:
         gate = self._gate
         if isinstance(event, events.CommandCompleted):
             gate.pending.discard(event.command)
-        for command in self._layer.handle_event(event):
-            if command.blocking:  # a blocking command, answered by a CommandCompleted later
-                gate.pending.add(command)
-            yield command
-        if gate.pending:
-            gate.idle.clear()
-        else:
-            gate.idle.set()
+        try:
+            for command in self._layer.handle_event(event):
+                if command.blocking:  # a blocking command, answered by a CommandCompleted later
+                    gate.pending.add(command)
+                yield command
+        finally:
+            if gate.pending:
+                gate.idle.clear()
+            else:
+                gate.idle.set()
 
     def __getattr__(self, name):
         return getattr(self._layer, name)

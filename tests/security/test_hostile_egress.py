@@ -193,6 +193,7 @@ def test_a_huge_head_to_an_allowed_host_is_refused_unread_and_never_forwarded(eg
     out = run_cell(egw, sid, HUGE + f"print(huge('plain.test:{plain.port}', 64))\n"
                                     f"print(huge('secure.test:{tls.port}', 64, tls_host='secure.test'))")
     peak = status(egw)["VmHWM"] - base
+    print(f"gateway peak RSS growth: {peak / MiB:.1f} MiB")
     assert plain.received + tls.received == before, out  # not a byte of either head reached upstream
     for line in out.splitlines():  # cut long before the 64 MiB were out
         assert int(line.rsplit("sent=", 1)[1]) < 16, out
@@ -210,6 +211,7 @@ def test_huge_heads_to_a_refused_host_are_cut_before_they_are_held(egw, sid, ser
         "with cf.ThreadPoolExecutor(4) as pool:\n"
         f"    for r in pool.map(lambda i: huge('denied.test:{servers['plain'].port}', 48), range(4)): print(r)\n"))
     peak = status(egw)["VmHWM"] - base
+    print(f"gateway peak RSS growth: {peak / MiB:.1f} MiB")
     assert len(out.splitlines()) == 4 and all(int(line.rsplit("sent=", 1)[1]) < 16 for line in out.splitlines()), out
     assert peak < 32 * MiB, (peak, out)  # was +863 MB for four of 150 MiB
     assert egw.log_text().count(closed) == earlier + 4
