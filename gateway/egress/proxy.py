@@ -12,6 +12,9 @@ target agree, the policy allows the name, the proxy resolves it and the policy a
 The address it allowed is pinned for that host:port on that client connection, and ``server_connect``
 connects to exactly it (no second resolution); a server connection without a pin is refused, so nothing
 reaches upstream unchecked. Refusals are 403s written by the proxy, the reason in the body.
+
+What mitmproxy may hold for a connection is bounded in ``bounds.py``: heads, ClientHellos, and no client
+bytes read while a hook or connect is in flight.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mitmproxy.options import Options
 from mitmproxy.proxy import server_hooks
 
 from .. import metrics
+from . import bounds
 from .policy import EgressPolicy, IPAddress, Verdict, ip_literal, normalize_host
 from .secrets import Secret
 
@@ -121,6 +125,7 @@ class _Guard:
         self.sandboxes: Dict[str, _Sandbox] = {}
         self.pending: Dict[int, str] = {}  # local source port of an open() connection -> sandbox id
         self.clients: Dict[str, _Client] = {}  # mitmproxy client id -> its sandbox
+        self.proxyserver: Optional[proxyserver.Proxyserver] = None  # set by EgressProxy.start
 
     def client_connected(self, client: connection.Client) -> None:
         peer = client.peername or ("", 0)
@@ -129,6 +134,14 @@ class _Guard:
             client.error = "not a connection the gateway opened"  # mitmproxy closes it
             return
         self.clients[client.id] = _Client(sandbox_id)
+        # Before mitmproxy reads a byte of it: no reads while its hooks or connects are in flight.
+        bounds.Gate.install(self.proxyserver.connections[client.id])
+
+    def refused(self, client_id: str, why: str) -> None:
+        """A bound in bounds.py closed this client connection (a 431, or a failed handshake)."""
+        client = self.clients.get(client_id)
+        metrics.EGRESS_REQUESTS.labels("refused").inc()
+        logger.info("sandbox %s: connection closed: %s", client.sandbox_id if client else "?", why)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.clients.pop(client.id, None)
@@ -161,14 +174,11 @@ class _Guard:
                 if addresses is None:
                     request.verdict = Verdict(allowed=False, rule=request.verdict.rule,
                                               reason=f"cannot resolve {host}")
-                    _refuse(flow, 502, host, port, request.verdict.reason)
+                    _refuse_or_kill(flow, 502, host, port, request.verdict.reason)
                     return
                 request.verdict = sandbox.policy.decide(host, port, addresses)
         if not request.verdict.allowed:
-            if _large_body(flow.request):
-                flow.kill()  # logged by the error hook
-            else:
-                _refuse(flow, 403, host, port, request.verdict.reason)
+            _refuse_or_kill(flow, 403, host, port, request.verdict.reason)
             return
         # Pin: mitmproxy connects to request.host and matches kept-alive server connections by it,
         # so it becomes the checked address; the Host header stays, and server_connect sets the SNI.
@@ -207,6 +217,14 @@ class _Guard:
             data.server.error = "egress: no checked address for this destination"
             return
         data.server.sni = host  # mitmproxy would use the address; certificates name the host
+
+
+def _refuse_or_kill(flow: http.HTTPFlow, status: int, host: str, port: int, reason: str) -> None:
+    """mitmproxy sends a response set here only after reading the request's body, which it holds."""
+    if _large_body(flow.request):
+        flow.kill()  # logged by the error hook
+    else:
+        _refuse(flow, status, host, port, reason)
 
 
 def _large_body(request: http.Request) -> bool:
@@ -281,6 +299,7 @@ class EgressProxy:
         self.dir = Path(home) / "egress"
         self.upstream_ca_bundle = upstream_ca_bundle
         self._guard = _Guard(resolver)
+        bounds.install()
         self._master: Optional[Master] = None
         self._address: Optional[Tuple[str, int]] = None
 
@@ -336,6 +355,8 @@ class EgressProxy:
         # What Master.run() would do, without it: it swaps the loop's exception handler and task
         # factory for as long as it runs, and those are the gateway's.
         proxy = master.addons.get("proxyserver")
+        self._guard.proxyserver = proxy
+        bounds.on_refused = self._guard.refused
         if not await proxy.setup_servers():
             raise RuntimeError("the egress proxy could not listen on 127.0.0.1")
         await master.addons.trigger_event(hooks.RunningHook())
