@@ -25,6 +25,10 @@ What a snapshot keeps and what it never does:
   sparse and a dense copy of the same bytes share one blob.
 - Modes: ``mode & 0o777`` only; setuid, setgid and sticky bits are never
   stored or materialised.
+- Hard links: names of one inode are read and counted once (the bounds,
+  ``files_bytes``); the later names' entries carry ``link`` (the manifest key
+  of the first) and are materialised as hard links to it, so a file with ten
+  names does not come back as ten copies.
 - Names are bytes: a name that is not valid UTF-8 is kept in the manifest as
   ``"b64:" + urlsafe-base64`` with ``FileEntry.b64`` set, and comes back
   byte-exact.
@@ -76,12 +80,17 @@ class FileEntry(BaseModel):
     size: int  # logical size; holes included
     mode: int  # permission bits only (& 0o777)
     b64: bool = False  # the manifest key is "b64:" + urlsafe base64 of the name's bytes
+    # A hard link: the manifest key of this inode's first name, materialised as a link to it. The
+    # entry keeps sha256, size and mode too, so a gateway that predates ``link`` restores a copy.
+    link: Optional[str] = None
 
     @model_serializer(mode="wrap")
-    def _omit_default_b64(self, handler):  # records stay as they were for UTF-8 names
+    def _omit_defaults(self, handler):  # records stay as they were for UTF-8 names without links
         data = handler(self)
         if not self.b64:
             data.pop("b64", None)
+        if self.link is None:
+            data.pop("link", None)
         return data
 
 
@@ -290,7 +299,7 @@ SMALL_BUDGET = 64 << 20  # ...up to this much in all
 
 
 class _Found:
-    __slots__ = ("rel", "path", "lst", "st", "sha", "data", "content")
+    __slots__ = ("rel", "path", "lst", "st", "sha", "data", "content", "first")
 
     def __init__(self, rel: bytes, path: bytes, lst: os.stat_result):
         self.rel, self.path, self.lst = rel, path, lst
@@ -298,6 +307,7 @@ class _Found:
         self.sha = ""
         self.data = 0
         self.content: Optional[bytes] = None  # a small file's bytes, read while hashing
+        self.first: Optional["_Found"] = None  # a hard link: the name of its inode found first
 
 
 def _read_small(fd: int, size: int) -> bytes:
@@ -662,6 +672,7 @@ class CheckpointStore:
         """Every regular file under ``workspace`` (sorted, no link followed);
         the file-count and logical-size bounds checked on the way."""
         found: List[_Found] = []
+        inodes: Dict[Tuple[int, int], _Found] = {}
         count = total = 0
         root = os.fsencode(workspace)
         stack: List[bytes] = [b""]
@@ -688,8 +699,16 @@ class CheckpointStore:
                     lst = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                f = _Found(rel, e.path, lst)
+                if lst.st_nlink > 1:  # a hard link: its inode's bytes are counted (and read) once
+                    f.first = inodes.setdefault((lst.st_dev, lst.st_ino), f)
+                    if f.first is f:
+                        f.first = None
+                    else:
+                        found.append(f)
+                        continue
                 total += lst.st_size
-                found.append(_Found(rel, e.path, lst))
+                found.append(f)
             stack.extend(reversed(subdirs))
         if count > limits.max_files:
             raise SnapshotTooLarge(
@@ -736,8 +755,21 @@ class CheckpointStore:
             found = self._scan(workspace, limits, cancel)
             buf = bytearray(CHUNK)
             budget = SMALL_BUDGET
+            leaders: Dict[Tuple[int, int], _Found] = {}  # inode -> its name that was read
             for f in found:  # hash everything before anything is stored
                 _check(cancel)
+                ino = (f.lst.st_dev, f.lst.st_ino)
+                if f.first is not None and ino in leaders:  # another name of an inode read already
+                    try:
+                        lst = os.lstat(f.path)
+                    except FileNotFoundError:
+                        continue
+                    if (lst.st_dev, lst.st_ino) != ino:
+                        raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed")
+                    f.first = lead = leaders[ino]
+                    f.st, f.sha = lead.st, lead.sha
+                    continue
+                f.first = None  # its first name was gone: this one is read instead
                 try:
                     fd = self._open_same(f, f.lst)
                 except FileNotFoundError:
@@ -756,6 +788,8 @@ class CheckpointStore:
                     raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed") from None
                 finally:
                     os.close(fd)
+                if f.st.st_nlink > 1:
+                    leaders[ino] = f
             found = [f for f in found if f.sha]
             shas = {blob_key(owner, f.sha) for f in found}
             with self._lock:  # pinned before looking: a sweep from now on keeps them
@@ -783,7 +817,8 @@ class CheckpointStore:
             files: Dict[str, FileEntry] = {}
             for f in found:
                 key, b64 = encode_name(f.rel)
-                files[key] = FileEntry(sha256=f.sha, size=f.st.st_size, mode=f.st.st_mode & 0o777, b64=b64)
+                files[key] = FileEntry(sha256=f.sha, size=f.st.st_size, mode=f.st.st_mode & 0o777, b64=b64,
+                                       link=encode_name(f.first.rel)[0] if f.first is not None else None)
         except BaseException as e:
             with self._lock:
                 self._running -= 1
@@ -877,6 +912,7 @@ class CheckpointStore:
             os.chown(root, uid, uid, follow_symlinks=False)
         made: Set[bytes] = set()
         buf = bytearray(CHUNK)
+        links: List[Tuple[bytes, bytes, str]] = []  # (name, name of the file it links to, its key)
         try:
             for key, entry in cp.files.items():
                 _check(cancel)
@@ -896,6 +932,10 @@ class CheckpointStore:
                         os.chown(path, uid, uid, follow_symlinks=False)
                     made.add(path)
                 target = path + b"/" + parts[-1]
+                first = cp.files.get(entry.link) if entry.link is not None else None
+                if first is not None and first.link is None and first.sha256 == entry.sha256:
+                    links.append((target, root + b"/" + b"/".join(_safe_rel(decode_name(entry.link, first))), key))
+                    continue  # linked once every file is written
                 try:
                     src = os.open(self._blob(blob_key(cp.owner, entry.sha256)), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
@@ -916,6 +956,12 @@ class CheckpointStore:
                         os.close(dst)
                 finally:
                     os.close(src)
+            for target, first, key in links:
+                _check(cancel)
+                try:
+                    os.link(first, target, follow_symlinks=False)
+                except OSError as e:
+                    raise ValueError(f"checkpoint {cp.id}: {key!r} not linked to its first name: {e}") from None
         except _Cancelled:
             raise asyncio.CancelledError() from None
         except _Changed:

@@ -281,6 +281,27 @@ def test_links_devices_fifos_and_sockets_are_skipped_never_followed(store, ws, t
     assert list(cp.files) == ["real"]
 
 
+def test_hard_links_are_read_once_and_come_back_as_links(store, ws, tmp_path):
+    """Names of one inode: counted and read once (the bounds, files_bytes), restored as links to one
+    file; a copy with the same bytes stays a file of its own."""
+    (ws / "d").mkdir()
+    (ws / "a").write_bytes(b"x" * MiB)
+    for i in range(9):
+        os.link(ws / "a", ws / "d" / f"link{i}")
+    (ws / "copy").write_bytes(b"x" * MiB)
+    cp = take(store, ws, limits=SnapshotLimits(max_bytes=3 * MiB))  # 11 MiB of names, 2 MiB of inodes
+    assert {k: e.link for k, e in cp.files.items()} == {"a": None, "copy": None,
+                                                        **{f"d/link{i}": "a" for i in range(9)}}
+    assert sum(e.size for e in cp.files.values() if e.link is None) == 2 * MiB
+    assert cp.new_bytes == MiB  # one blob for the three contents
+    out = tmp_path / "out"
+    store.materialize(store.get(cp.id), out)
+    a = os.stat(out / "a")
+    assert a.st_nlink == 10 and all(os.stat(out / "d" / f"link{i}").st_ino == a.st_ino for i in range(9))
+    assert os.stat(out / "copy").st_nlink == 1 and (out / "copy").read_bytes() == b"x" * MiB
+    assert disk_usage(out) < 3 * MiB
+
+
 def test_non_utf8_names_come_back_byte_exact(store, ws, tmp_path):
     root = os.fsencode(ws)
     names = [b"caf\xe9.txt", b"dir\xff\xfe/inner\x80", b"ok/\xc3\xa9t\xc3\xa9", b"b64:literal", b"\xed\xa0\x80surrogate"]

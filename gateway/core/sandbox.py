@@ -624,7 +624,7 @@ class Sandbox:
             state_bytes, state_new = await asyncio.to_thread(store.store_state, cid, owner, self.driver.state_images)
             cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
                             state_bytes=state_bytes, files=files,
-                            files_bytes=sum(f.size for f in files.values()), new_bytes=new,
+                            files_bytes=sum(f.size for f in files.values() if f.link is None), new_bytes=new,
                             stored_bytes=state_new + new, executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
             # Its image assembled now, in the background, so that forking it skips that step.
