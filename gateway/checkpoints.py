@@ -106,6 +106,7 @@ class Checkpoint(BaseModel):
     id: str
     sandbox: str  # the sandbox (kernel) it was taken from
     owner: str = ""  # the tenant whose sandbox it was taken from ("" = the admin); its blobs are that owner's
+    driver: str = ""  # the driver of that sandbox ("" in records from before it was kept)
     parent: Optional[str] = None  # the checkpoint that sandbox was restored from, if any
     created: float
     name: str = ""
@@ -141,6 +142,32 @@ class SnapshotLimits(BaseModel):
     max_bytes: int = Field(16 << 30, ge=0)  # logical size of all files, holes included
     max_new_bytes: int = Field(4 << 30, ge=0)  # data written to the blob store by one snapshot
     max_files: int = Field(100_000, ge=0)  # regular files
+
+
+class OverQuota(Exception):
+    """An owner's checkpoints would store more than its quota (``StoreQuota``); nothing of
+    the checkpoint is kept."""
+
+
+class StoreQuota:
+    """What an owner's checkpoints may store in all (``limit`` bytes) and hold now (``used``,
+    ``CheckpointStore.usage``), and the refusal naming it."""
+
+    def __init__(self, owner: str, limit: int, used: int, variable: str):
+        self.owner, self.limit, self.used, self.variable = owner, limit, used, variable
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def refuse(self, adding: Optional[int] = None) -> OverQuota:
+        """``adding``: what the checkpoint would store (None: refused before it began, the quota full)."""
+        more = (f" and this checkpoint would add {adding} ({_human(adding)})" if adding is not None
+                else ", no room for another")
+        return OverQuota(
+            f"tenant {self.owner}'s checkpoints store {self.used} bytes ({_human(self.used)}){more}; its quota "
+            f"max_checkpoint_mb is {self.limit >> 20} MB ({self.variable}); delete checkpoints it no longer needs "
+            f"(DELETE /api/sandboxes/{{id}}/checkpoints/{{checkpoint}}) or sandboxes")
 
 
 class SnapshotTooLarge(Exception):
@@ -646,6 +673,45 @@ class CheckpointStore:
                 out.append(cp)
         return sorted(out, key=lambda c: c.created)
 
+    def usage(self, owner: str) -> int:
+        """Bytes ``owner``'s committed checkpoints hold: each of its blobs and state chunks once,
+        however many of its checkpoints share it (another owner's are never its: the keys differ),
+        plus the state files kept whole. Data bytes (a sparse blob's holes are free); kept
+        assembled images are a cache that gives way to checkpoints, not counted."""
+        blobs: Set[str] = set()
+        chunks: Set[str] = set()
+        total = 0
+        for cp in self.list(owner=owner):
+            blobs.update(blob_key(owner, e.sha256) for e in cp.files.values())
+            state = self.state_dir(cp.id)
+            try:
+                chunks.update(manifest_keys(state))
+            except ValueError:
+                pass  # a damaged manifest: its whole files are still counted below
+            total += sum(_stored(st) for st in _tree(state) if stat.S_ISREG(st.st_mode))
+        for path in [*(self._blob(k) for k in blobs), *(self.chunks.path(k) for k in chunks)]:
+            with contextlib.suppress(FileNotFoundError):
+                total += _stored(os.stat(path))
+        return total
+
+    def unlist(self, cid: str) -> Checkpoint:
+        """The first step of deleting committed checkpoint ``cid`` (the caller checked that nothing
+        needs it): its record goes, so from now on it is not listed, restored or forked. Then
+        ``remove``."""
+        cp = self.get(cid)
+        (self.items / cid / "checkpoint.json").unlink()
+        return cp
+
+    def remove(self, cp: Checkpoint) -> int:
+        """The rest of deleting ``cp`` after ``unlist``: its children are re-parented to its parent
+        (the tree stays connected), its directory goes, and a sweep removes the blobs and chunks
+        nothing else uses; what another checkpoint shares stays. Returns what the sweep removed."""
+        for child in self.list():
+            if child.parent == cp.id:
+                self._commit_here(child.model_copy(update={"parent": cp.parent}))
+        self.discard(cp.id)
+        return self.sweep()
+
     def discard(self, cid: str) -> None:
         self._close(cid)
         shutil.rmtree(self.items / cid, ignore_errors=True)
@@ -739,12 +805,14 @@ class CheckpointStore:
         return fd
 
     def snapshot(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *, cid: Optional[str] = None,
-                 cancel: Optional[threading.Event] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
+                 cancel: Optional[threading.Event] = None, owner: str = "",
+                 quota: Optional[StoreQuota] = None) -> tuple[Dict[str, FileEntry], int]:
         """Store the workspace's files; returns the manifest and the new bytes
         (data written to the blob store, in ``owner``'s namespace: what other
         owners stored is neither reused nor visible). ``cid``, from ``new_dir``: the
         blobs stay pinned until that checkpoint is committed or discarded.
-        Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's);
+        Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's), ``OverQuota`` when
+        the new bytes are more than ``quota`` has left (both before any blob is written);
         then, and on any other failure, the blobs it wrote are removed."""
         limits = limits or self.limits
         token = cid or "snap-" + uuid.uuid4().hex
@@ -808,6 +876,8 @@ class CheckpointStore:
                     "new_bytes", need, limits.max_new_bytes, "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
                     f"the checkpoint would store {need} new bytes ({_human(need)}); one checkpoint stores at most "
                     f"{limits.max_new_bytes} ({_human(limits.max_new_bytes)}) (SANDGATE_CHECKPOINT_MAX_NEW_BYTES)")
+            if quota is not None and need > quota.left:
+                raise quota.refuse(need)
             new = 0
             made: Set[bytes] = set()
             for sha, f in missing.items():
@@ -1040,10 +1110,11 @@ class CheckpointStore:
     # -- off the event loop -----------------------------------------------
 
     async def snapshot_async(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *,
-                             cid: Optional[str] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
+                             cid: Optional[str] = None, owner: str = "",
+                             quota: Optional[StoreQuota] = None) -> tuple[Dict[str, FileEntry], int]:
         """``snapshot`` in a worker thread. Cancelling stops it at the next
         chunk, removes what it wrote, and returns only once the thread is done."""
-        return await _in_thread(self.snapshot, workspace, limits, cid=cid, owner=owner)
+        return await _in_thread(self.snapshot, workspace, limits, cid=cid, owner=owner, quota=quota)
 
     async def materialize_async(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None) -> None:
         """``materialize`` in a worker thread; cancelling stops it at the next
@@ -1097,6 +1168,11 @@ def _tree(path: Path) -> Iterator[os.stat_result]:
             yield st
             if stat.S_ISDIR(st.st_mode):
                 stack.append(e.path)
+
+
+def _stored(st: os.stat_result) -> int:
+    """A stored file's data bytes: its size, less the holes of a sparse one."""
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def dir_size(path: Path) -> int:

@@ -64,6 +64,7 @@ class TenantRecord(BaseModel):
     kdf: str = "scrypt-n16384-r8-p1"  # how token_hash was made, so it can change later
     max_sandboxes: Optional[int] = None  # None: the gateway's default (SANDGATE_TENANT_MAX_SANDBOXES)
     max_memory_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_MEMORY_MB
+    max_checkpoint_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_CHECKPOINT_MB
     created: float = Field(default_factory=time.time)
 
 
