@@ -501,3 +501,26 @@ def test_deduplication_stays_inside_an_owner(store, ws, tmp_path):
     store.discard(b.id)
     store.sweep()  # bob's blob goes with bob's last checkpoint; alice's and the admin's stay
     assert blob_files(store) == sorted({sha, ck.blob_key("alice", sha)})
+
+
+def test_usage_counts_an_owners_blobs_once_and_remove_keeps_what_others_share(store, ws):
+    (ws / "shared").write_bytes(b"s" * MiB)
+    (ws / "first").write_bytes(b"f" * (2 * MiB))
+    a = take(store, ws, owner="t1")
+    (ws / "first").unlink()
+    b = take(store, ws, owner="t1")
+    other = take(store, ws, owner="t2")  # the same file, another owner: its own blob, not t1's
+    b = store.get(b.id)
+    assert store.usage("t1") == 3 * MiB and store.usage("t2") == MiB
+    store._commit_here(b.model_copy(update={"parent": a.id}))
+    store.unlist(a.id)
+    assert store.usage("t1") == MiB  # unlisted: no longer counted, nor listed
+    store.remove(a)
+    assert store.get(b.id).parent is None  # re-parented to a's parent
+    assert not store._blob(ck.blob_key("t1", sha_of_bytes(b"f" * (2 * MiB)))).exists()
+    assert store._blob(ck.blob_key("t1", sha_of_bytes(b"s" * MiB))).exists()
+    assert store._blob(ck.blob_key("t2", sha_of_bytes(b"s" * MiB))).exists() and store.get(other.id)
+
+
+def sha_of_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
