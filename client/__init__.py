@@ -6,14 +6,15 @@
 
 docs/sdk.md has the whole API."""
 
-from .errors import (AuthError, BadRequest, Conflict, Forbidden, LimitReached, NotFound, RateLimited,
+from .errors import (AuthError, BadRequest, Conflict, Forbidden, LimitReached, NotFound, QuotaExceeded, RateLimited,
                      SandboxDied, SandgateError, ServerError, Timeout, Unavailable)
 from .models import Checkpoint, Execution, ExecutionError, FileEntry, Result, SandboxInfo
 from .sandbox import Sandbox
 
 __all__ = ["Sandbox", "AsyncSandbox", "KernelConnection", "Execution", "ExecutionError", "Result", "SandboxInfo",
            "Checkpoint", "FileEntry", "SandgateError", "BadRequest", "AuthError", "Forbidden", "LimitReached",
-           "NotFound", "Conflict", "SandboxDied", "RateLimited", "Unavailable", "ServerError", "Timeout"]
+           "NotFound", "Conflict", "SandboxDied", "RateLimited", "QuotaExceeded", "Unavailable", "ServerError",
+           "Timeout"]
 
 
 def __getattr__(name):  # the websocket and asyncio parts load their dependencies only when used

@@ -127,6 +127,11 @@ def checkpoints(sid: str, timeout=None) -> Call:
                 parse=lambda b: [Checkpoint.from_json(d) for d in json.loads(b)], timeout=timeout)
 
 
+def delete_checkpoint(sid: str, checkpoint_id: str, timeout=None) -> Call:
+    return Call("DELETE", f"/api/sandboxes/{sid}/checkpoints/{checkpoint_id}", ok=(204,), parse=lambda b: None,
+                timeout=timeout)
+
+
 def fork(sid: str, checkpoint_id: Optional[str] = None, timeout=None) -> Call:
     body = {"checkpoint": checkpoint_id} if checkpoint_id else {}
     return Call("POST", f"/api/sandboxes/{sid}/fork", _json(body), (201,),

@@ -198,6 +198,9 @@ class AsyncSandbox:
     async def checkpoints(self, timeout: Optional[float] = None) -> List[Checkpoint]:
         return await self._http.call(api.checkpoints(self.id, timeout))
 
+    async def delete_checkpoint(self, checkpoint: str, timeout: Optional[float] = None) -> None:
+        await self._http.call(api.delete_checkpoint(self.id, checkpoint, timeout))
+
     async def fork(self, checkpoint: Optional[str] = None, timeout: Optional[float] = None) -> "AsyncSandbox":
         return AsyncSandbox(await self._http.call(api.fork(self.id, checkpoint, timeout)), self._http)
 

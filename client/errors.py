@@ -42,6 +42,10 @@ class LimitReached(SandgateError):
     """403 ``limit``: SANDGATE_MAX_KERNELS, a tenant quota, a checkpoint bound, a full workspace."""
 
 
+class QuotaExceeded(LimitReached):
+    """413 ``quota``: a tenant's checkpoints would store more than its max_checkpoint_mb."""
+
+
 class NotFound(SandgateError):
     """404: no such sandbox, checkpoint, file, tenant (or another tenant's)."""
 
@@ -80,11 +84,12 @@ class Timeout(SandgateError):
 
 BY_CODE = {
     "bad_request": BadRequest, "above_ceiling": BadRequest, "IsADirectoryError": BadRequest,
-    "NotADirectoryError": BadRequest, "forbidden": Forbidden, "limit": LimitReached, "not_found": NotFound,
-    "conflict": Conflict, "exists": Conflict, "rate_limited": RateLimited, "unavailable": Unavailable,
+    "NotADirectoryError": BadRequest, "forbidden": Forbidden, "limit": LimitReached, "quota": QuotaExceeded,
+    "not_found": NotFound, "conflict": Conflict, "exists": Conflict, "in_use": Conflict, "rate_limited": RateLimited, "unavailable": Unavailable,
     "internal": ServerError,
 }
-BY_STATUS = {400: BadRequest, 401: AuthError, 403: Forbidden, 404: NotFound, 409: Conflict, 429: RateLimited,
+BY_STATUS = {400: BadRequest, 401: AuthError, 403: Forbidden, 404: NotFound, 409: Conflict, 413: QuotaExceeded,
+             429: RateLimited,
              500: ServerError, 501: Unavailable, 502: Unavailable, 503: Unavailable, 504: Timeout}
 
 

@@ -218,6 +218,11 @@ class Sandbox:
     def checkpoints(self, timeout: Optional[float] = None) -> List[Checkpoint]:
         return self._http.call(api.checkpoints(self.id, timeout))
 
+    def delete_checkpoint(self, checkpoint: str, timeout: Optional[float] = None) -> None:
+        """Delete one of its checkpoints (and what only it stored). ``Conflict`` (code ``in_use``)
+        names what still needs it: a fork from it, its newest, a sandbox resuming from it."""
+        self._http.call(api.delete_checkpoint(self.id, checkpoint, timeout))
+
     def fork(self, checkpoint: Optional[str] = None, timeout: Optional[float] = None) -> "Sandbox":
         """A new sandbox from this one: from ``checkpoint`` (one of its own), or from now."""
         return Sandbox(self._http.call(api.fork(self.id, checkpoint, timeout)), self._http)

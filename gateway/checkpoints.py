@@ -25,6 +25,10 @@ What a snapshot keeps and what it never does:
   sparse and a dense copy of the same bytes share one blob.
 - Modes: ``mode & 0o777`` only; setuid, setgid and sticky bits are never
   stored or materialised.
+- Hard links: names of one inode are read and counted once (the bounds,
+  ``files_bytes``); the later names' entries carry ``link`` (the manifest key
+  of the first) and are materialised as hard links to it, so a file with ten
+  names does not come back as ten copies.
 - Names are bytes: a name that is not valid UTF-8 is kept in the manifest as
   ``"b64:" + urlsafe-base64`` with ``FileEntry.b64`` set, and comes back
   byte-exact.
@@ -76,12 +80,17 @@ class FileEntry(BaseModel):
     size: int  # logical size; holes included
     mode: int  # permission bits only (& 0o777)
     b64: bool = False  # the manifest key is "b64:" + urlsafe base64 of the name's bytes
+    # A hard link: the manifest key of this inode's first name, materialised as a link to it. The
+    # entry keeps sha256, size and mode too, so a gateway that predates ``link`` restores a copy.
+    link: Optional[str] = None
 
     @model_serializer(mode="wrap")
-    def _omit_default_b64(self, handler):  # records stay as they were for UTF-8 names
+    def _omit_defaults(self, handler):  # records stay as they were for UTF-8 names without links
         data = handler(self)
         if not self.b64:
             data.pop("b64", None)
+        if self.link is None:
+            data.pop("link", None)
         return data
 
 
@@ -97,6 +106,7 @@ class Checkpoint(BaseModel):
     id: str
     sandbox: str  # the sandbox (kernel) it was taken from
     owner: str = ""  # the tenant whose sandbox it was taken from ("" = the admin); its blobs are that owner's
+    driver: str = ""  # the driver of that sandbox ("" in records from before it was kept)
     parent: Optional[str] = None  # the checkpoint that sandbox was restored from, if any
     created: float
     name: str = ""
@@ -132,6 +142,32 @@ class SnapshotLimits(BaseModel):
     max_bytes: int = Field(16 << 30, ge=0)  # logical size of all files, holes included
     max_new_bytes: int = Field(4 << 30, ge=0)  # data written to the blob store by one snapshot
     max_files: int = Field(100_000, ge=0)  # regular files
+
+
+class OverQuota(Exception):
+    """An owner's checkpoints would store more than its quota (``StoreQuota``); nothing of
+    the checkpoint is kept."""
+
+
+class StoreQuota:
+    """What an owner's checkpoints may store in all (``limit`` bytes) and hold now (``used``,
+    ``CheckpointStore.usage``), and the refusal naming it."""
+
+    def __init__(self, owner: str, limit: int, used: int, variable: str):
+        self.owner, self.limit, self.used, self.variable = owner, limit, used, variable
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def refuse(self, adding: Optional[int] = None) -> OverQuota:
+        """``adding``: what the checkpoint would store (None: refused before it began, the quota full)."""
+        more = (f" and this checkpoint would add {adding} ({_human(adding)})" if adding is not None
+                else ", no room for another")
+        return OverQuota(
+            f"tenant {self.owner}'s checkpoints store {self.used} bytes ({_human(self.used)}){more}; its quota "
+            f"max_checkpoint_mb is {self.limit >> 20} MB ({self.variable}); delete checkpoints it no longer needs "
+            f"(DELETE /api/sandboxes/{{id}}/checkpoints/{{checkpoint}}) or sandboxes")
 
 
 class SnapshotTooLarge(Exception):
@@ -290,7 +326,7 @@ SMALL_BUDGET = 64 << 20  # ...up to this much in all
 
 
 class _Found:
-    __slots__ = ("rel", "path", "lst", "st", "sha", "data", "content")
+    __slots__ = ("rel", "path", "lst", "st", "sha", "data", "content", "first")
 
     def __init__(self, rel: bytes, path: bytes, lst: os.stat_result):
         self.rel, self.path, self.lst = rel, path, lst
@@ -298,6 +334,7 @@ class _Found:
         self.sha = ""
         self.data = 0
         self.content: Optional[bytes] = None  # a small file's bytes, read while hashing
+        self.first: Optional["_Found"] = None  # a hard link: the name of its inode found first
 
 
 def _read_small(fd: int, size: int) -> bytes:
@@ -636,6 +673,45 @@ class CheckpointStore:
                 out.append(cp)
         return sorted(out, key=lambda c: c.created)
 
+    def usage(self, owner: str) -> int:
+        """Bytes ``owner``'s committed checkpoints hold: each of its blobs and state chunks once,
+        however many of its checkpoints share it (another owner's are never its: the keys differ),
+        plus the state files kept whole. Data bytes (a sparse blob's holes are free); kept
+        assembled images are a cache that gives way to checkpoints, not counted."""
+        blobs: Set[str] = set()
+        chunks: Set[str] = set()
+        total = 0
+        for cp in self.list(owner=owner):
+            blobs.update(blob_key(owner, e.sha256) for e in cp.files.values())
+            state = self.state_dir(cp.id)
+            try:
+                chunks.update(manifest_keys(state))
+            except ValueError:
+                pass  # a damaged manifest: its whole files are still counted below
+            total += sum(_stored(st) for st in _tree(state) if stat.S_ISREG(st.st_mode))
+        for path in [*(self._blob(k) for k in blobs), *(self.chunks.path(k) for k in chunks)]:
+            with contextlib.suppress(FileNotFoundError):
+                total += _stored(os.stat(path))
+        return total
+
+    def unlist(self, cid: str) -> Checkpoint:
+        """The first step of deleting committed checkpoint ``cid`` (the caller checked that nothing
+        needs it): its record goes, so from now on it is not listed, restored or forked. Then
+        ``remove``."""
+        cp = self.get(cid)
+        (self.items / cid / "checkpoint.json").unlink()
+        return cp
+
+    def remove(self, cp: Checkpoint) -> int:
+        """The rest of deleting ``cp`` after ``unlist``: its children are re-parented to its parent
+        (the tree stays connected), its directory goes, and a sweep removes the blobs and chunks
+        nothing else uses; what another checkpoint shares stays. Returns what the sweep removed."""
+        for child in self.list():
+            if child.parent == cp.id:
+                self._commit_here(child.model_copy(update={"parent": cp.parent}))
+        self.discard(cp.id)
+        return self.sweep()
+
     def discard(self, cid: str) -> None:
         self._close(cid)
         shutil.rmtree(self.items / cid, ignore_errors=True)
@@ -662,6 +738,7 @@ class CheckpointStore:
         """Every regular file under ``workspace`` (sorted, no link followed);
         the file-count and logical-size bounds checked on the way."""
         found: List[_Found] = []
+        inodes: Dict[Tuple[int, int], _Found] = {}
         count = total = 0
         root = os.fsencode(workspace)
         stack: List[bytes] = [b""]
@@ -688,8 +765,16 @@ class CheckpointStore:
                     lst = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                f = _Found(rel, e.path, lst)
+                if lst.st_nlink > 1:  # a hard link: its inode's bytes are counted (and read) once
+                    f.first = inodes.setdefault((lst.st_dev, lst.st_ino), f)
+                    if f.first is f:
+                        f.first = None
+                    else:
+                        found.append(f)
+                        continue
                 total += lst.st_size
-                found.append(_Found(rel, e.path, lst))
+                found.append(f)
             stack.extend(reversed(subdirs))
         if count > limits.max_files:
             raise SnapshotTooLarge(
@@ -720,12 +805,14 @@ class CheckpointStore:
         return fd
 
     def snapshot(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *, cid: Optional[str] = None,
-                 cancel: Optional[threading.Event] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
+                 cancel: Optional[threading.Event] = None, owner: str = "",
+                 quota: Optional[StoreQuota] = None) -> tuple[Dict[str, FileEntry], int]:
         """Store the workspace's files; returns the manifest and the new bytes
         (data written to the blob store, in ``owner``'s namespace: what other
         owners stored is neither reused nor visible). ``cid``, from ``new_dir``: the
         blobs stay pinned until that checkpoint is committed or discarded.
-        Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's);
+        Raises ``SnapshotTooLarge`` past ``limits`` (default: the store's), ``OverQuota`` when
+        the new bytes are more than ``quota`` has left (both before any blob is written);
         then, and on any other failure, the blobs it wrote are removed."""
         limits = limits or self.limits
         token = cid or "snap-" + uuid.uuid4().hex
@@ -736,8 +823,21 @@ class CheckpointStore:
             found = self._scan(workspace, limits, cancel)
             buf = bytearray(CHUNK)
             budget = SMALL_BUDGET
+            leaders: Dict[Tuple[int, int], _Found] = {}  # inode -> its name that was read
             for f in found:  # hash everything before anything is stored
                 _check(cancel)
+                ino = (f.lst.st_dev, f.lst.st_ino)
+                if f.first is not None and ino in leaders:  # another name of an inode read already
+                    try:
+                        lst = os.lstat(f.path)
+                    except FileNotFoundError:
+                        continue
+                    if (lst.st_dev, lst.st_ino) != ino:
+                        raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed")
+                    f.first = lead = leaders[ino]
+                    f.st, f.sha = lead.st, lead.sha
+                    continue
+                f.first = None  # its first name was gone: this one is read instead
                 try:
                     fd = self._open_same(f, f.lst)
                 except FileNotFoundError:
@@ -756,6 +856,8 @@ class CheckpointStore:
                     raise _Changed(f"{os.fsdecode(f.rel)!r} changed while the workspace was being checkpointed") from None
                 finally:
                     os.close(fd)
+                if f.st.st_nlink > 1:
+                    leaders[ino] = f
             found = [f for f in found if f.sha]
             shas = {blob_key(owner, f.sha) for f in found}
             with self._lock:  # pinned before looking: a sweep from now on keeps them
@@ -774,6 +876,8 @@ class CheckpointStore:
                     "new_bytes", need, limits.max_new_bytes, "SANDGATE_CHECKPOINT_MAX_NEW_BYTES",
                     f"the checkpoint would store {need} new bytes ({_human(need)}); one checkpoint stores at most "
                     f"{limits.max_new_bytes} ({_human(limits.max_new_bytes)}) (SANDGATE_CHECKPOINT_MAX_NEW_BYTES)")
+            if quota is not None and need > quota.left:
+                raise quota.refuse(need)
             new = 0
             made: Set[bytes] = set()
             for sha, f in missing.items():
@@ -783,7 +887,8 @@ class CheckpointStore:
             files: Dict[str, FileEntry] = {}
             for f in found:
                 key, b64 = encode_name(f.rel)
-                files[key] = FileEntry(sha256=f.sha, size=f.st.st_size, mode=f.st.st_mode & 0o777, b64=b64)
+                files[key] = FileEntry(sha256=f.sha, size=f.st.st_size, mode=f.st.st_mode & 0o777, b64=b64,
+                                       link=encode_name(f.first.rel)[0] if f.first is not None else None)
         except BaseException as e:
             with self._lock:
                 self._running -= 1
@@ -877,6 +982,7 @@ class CheckpointStore:
             os.chown(root, uid, uid, follow_symlinks=False)
         made: Set[bytes] = set()
         buf = bytearray(CHUNK)
+        links: List[Tuple[bytes, bytes, str]] = []  # (name, name of the file it links to, its key)
         try:
             for key, entry in cp.files.items():
                 _check(cancel)
@@ -896,6 +1002,10 @@ class CheckpointStore:
                         os.chown(path, uid, uid, follow_symlinks=False)
                     made.add(path)
                 target = path + b"/" + parts[-1]
+                first = cp.files.get(entry.link) if entry.link is not None else None
+                if first is not None and first.link is None and first.sha256 == entry.sha256:
+                    links.append((target, root + b"/" + b"/".join(_safe_rel(decode_name(entry.link, first))), key))
+                    continue  # linked once every file is written
                 try:
                     src = os.open(self._blob(blob_key(cp.owner, entry.sha256)), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
@@ -916,6 +1026,12 @@ class CheckpointStore:
                         os.close(dst)
                 finally:
                     os.close(src)
+            for target, first, key in links:
+                _check(cancel)
+                try:
+                    os.link(first, target, follow_symlinks=False)
+                except OSError as e:
+                    raise ValueError(f"checkpoint {cp.id}: {key!r} not linked to its first name: {e}") from None
         except _Cancelled:
             raise asyncio.CancelledError() from None
         except _Changed:
@@ -994,10 +1110,11 @@ class CheckpointStore:
     # -- off the event loop -----------------------------------------------
 
     async def snapshot_async(self, workspace: Path, limits: Optional[SnapshotLimits] = None, *,
-                             cid: Optional[str] = None, owner: str = "") -> tuple[Dict[str, FileEntry], int]:
+                             cid: Optional[str] = None, owner: str = "",
+                             quota: Optional[StoreQuota] = None) -> tuple[Dict[str, FileEntry], int]:
         """``snapshot`` in a worker thread. Cancelling stops it at the next
         chunk, removes what it wrote, and returns only once the thread is done."""
-        return await _in_thread(self.snapshot, workspace, limits, cid=cid, owner=owner)
+        return await _in_thread(self.snapshot, workspace, limits, cid=cid, owner=owner, quota=quota)
 
     async def materialize_async(self, cp: Checkpoint, dest: Path, uid: Optional[int] = None) -> None:
         """``materialize`` in a worker thread; cancelling stops it at the next
@@ -1051,6 +1168,11 @@ def _tree(path: Path) -> Iterator[os.stat_result]:
             yield st
             if stat.S_ISDIR(st.st_mode):
                 stack.append(e.path)
+
+
+def _stored(st: os.stat_result) -> int:
+    """A stored file's data bytes: its size, less the holes of a sparse one."""
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def dir_size(path: Path) -> int:

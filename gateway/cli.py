@@ -36,6 +36,7 @@ def cmd_serve(args) -> int:
                              max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes,
                              tenant_max_sandboxes=args.tenant_max_sandboxes,
                              tenant_max_memory_mb=args.tenant_max_memory_mb,
+                             tenant_max_checkpoint_mb=args.tenant_max_checkpoint_mb,
                              tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst,
                              egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts,
                              redis_url=args.redis_url, node_id=args.node_id)
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
     s.add_argument("--tenant-max-memory-mb", type=int,
                    help="the sum of a tenant's sandboxes' memory, unless set for it; 0 no quota "
                         "(SANDGATE_TENANT_MAX_MEMORY_MB, 16384)")
+    s.add_argument("--tenant-max-checkpoint-mb", type=int,
+                   help="what a tenant's checkpoints may store on disk, unless set for it; 0 no quota "
+                        "(SANDGATE_TENANT_MAX_CHECKPOINT_MB, 10240)")
     s.add_argument("--tenant-create-rate", type=float,
                    help="sandbox creations per minute per tenant; 0 no limit (SANDGATE_TENANT_CREATE_RATE, 30)")
     s.add_argument("--tenant-create-burst", type=int,

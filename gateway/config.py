@@ -82,6 +82,8 @@ class Settings(BaseModel):
     # Tenants (core/tenants.py): defaults for every tenant, overridable per tenant at its creation; 0 = no quota.
     tenant_max_sandboxes: int = Field(8, ge=0)  # sandboxes a tenant may have at once (any state)
     tenant_max_memory_mb: int = Field(16384, ge=0)  # the sum of its sandboxes' limits.memory_mb
+    # what its checkpoints store on disk (blobs, state chunks and files, each counted once)
+    tenant_max_checkpoint_mb: int = Field(10240, ge=0)
     tenant_create_rate: float = Field(30, ge=0, allow_inf_nan=False)  # creations per minute, per tenant; 0 = no limit
     tenant_create_burst: int = Field(10, ge=1)  # creations a tenant may make at once before the rate applies
     # The HMAC key tenant tokens are hashed with (core/tenants.py token_key); "": in a fleet derived from the
@@ -160,6 +162,7 @@ class Settings(BaseModel):
         "execute_output_mb": "SANDGATE_EXECUTE_OUTPUT_MB", "client_buffer_mb": "SANDGATE_CLIENT_BUFFER_MB",
         "iopub_msg_rate": "SANDGATE_IOPUB_MSG_RATE", "iopub_data_rate": "SANDGATE_IOPUB_DATA_RATE",
         "tenant_max_sandboxes": "SANDGATE_TENANT_MAX_SANDBOXES", "tenant_max_memory_mb": "SANDGATE_TENANT_MAX_MEMORY_MB",
+        "tenant_max_checkpoint_mb": "SANDGATE_TENANT_MAX_CHECKPOINT_MB",
         "tenant_create_rate": "SANDGATE_TENANT_CREATE_RATE", "tenant_create_burst": "SANDGATE_TENANT_CREATE_BURST",
         "tenant_key": "SANDGATE_TENANT_KEY",
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",

@@ -78,6 +78,23 @@ def no_new_privileges() -> None:
         log(f"cannot set no_new_privs: {e}")
 
 
+def hide_processes() -> None:
+    """Remount /proc with hidepid=2, so that the kernel's user sees its own processes only: not the
+    agent's (pid 1) environment, memory map, status or anything else under /proc/1 (issue 29,
+    finding 17). A VM's agent is root with every capability and this works; gVisor's Sentry has no
+    hidepid and the agent there no CAP_SYS_ADMIN (EPERM, nothing to do: docs/security.md says what
+    stays readable there)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC: nothing under /proc is to be executed either
+        if libc.mount(b"proc", b"/proc", b"proc", 32 | 2 | 4 | 8, b"hidepid=2") != 0:
+            err = ctypes.get_errno()
+            if err != errno.EPERM:
+                raise OSError(err, os.strerror(err))
+    except (OSError, AttributeError) as e:
+        log(f"cannot hide the agent's processes in /proc: {e}")
+
+
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
 
 
@@ -1417,6 +1434,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are for the kernel
     no_new_privileges()
+    if args.user is not None and os.getpid() == 1:  # the sandbox's init: never a host's /proc
+        hide_processes()
     try:
         asyncio.run(main_async(args))
     except RuntimeError as e:

@@ -281,6 +281,27 @@ def test_links_devices_fifos_and_sockets_are_skipped_never_followed(store, ws, t
     assert list(cp.files) == ["real"]
 
 
+def test_hard_links_are_read_once_and_come_back_as_links(store, ws, tmp_path):
+    """Names of one inode: counted and read once (the bounds, files_bytes), restored as links to one
+    file; a copy with the same bytes stays a file of its own."""
+    (ws / "d").mkdir()
+    (ws / "a").write_bytes(b"x" * MiB)
+    for i in range(9):
+        os.link(ws / "a", ws / "d" / f"link{i}")
+    (ws / "copy").write_bytes(b"x" * MiB)
+    cp = take(store, ws, limits=SnapshotLimits(max_bytes=3 * MiB))  # 11 MiB of names, 2 MiB of inodes
+    assert {k: e.link for k, e in cp.files.items()} == {"a": None, "copy": None,
+                                                        **{f"d/link{i}": "a" for i in range(9)}}
+    assert sum(e.size for e in cp.files.values() if e.link is None) == 2 * MiB
+    assert cp.new_bytes == MiB  # one blob for the three contents
+    out = tmp_path / "out"
+    store.materialize(store.get(cp.id), out)
+    a = os.stat(out / "a")
+    assert a.st_nlink == 10 and all(os.stat(out / "d" / f"link{i}").st_ino == a.st_ino for i in range(9))
+    assert os.stat(out / "copy").st_nlink == 1 and (out / "copy").read_bytes() == b"x" * MiB
+    assert disk_usage(out) < 3 * MiB
+
+
 def test_non_utf8_names_come_back_byte_exact(store, ws, tmp_path):
     root = os.fsencode(ws)
     names = [b"caf\xe9.txt", b"dir\xff\xfe/inner\x80", b"ok/\xc3\xa9t\xc3\xa9", b"b64:literal", b"\xed\xa0\x80surrogate"]
@@ -480,3 +501,26 @@ def test_deduplication_stays_inside_an_owner(store, ws, tmp_path):
     store.discard(b.id)
     store.sweep()  # bob's blob goes with bob's last checkpoint; alice's and the admin's stay
     assert blob_files(store) == sorted({sha, ck.blob_key("alice", sha)})
+
+
+def test_usage_counts_an_owners_blobs_once_and_remove_keeps_what_others_share(store, ws):
+    (ws / "shared").write_bytes(b"s" * MiB)
+    (ws / "first").write_bytes(b"f" * (2 * MiB))
+    a = take(store, ws, owner="t1")
+    (ws / "first").unlink()
+    b = take(store, ws, owner="t1")
+    other = take(store, ws, owner="t2")  # the same file, another owner: its own blob, not t1's
+    b = store.get(b.id)
+    assert store.usage("t1") == 3 * MiB and store.usage("t2") == MiB
+    store._commit_here(b.model_copy(update={"parent": a.id}))
+    store.unlist(a.id)
+    assert store.usage("t1") == MiB  # unlisted: no longer counted, nor listed
+    store.remove(a)
+    assert store.get(b.id).parent is None  # re-parented to a's parent
+    assert not store._blob(ck.blob_key("t1", sha_of_bytes(b"f" * (2 * MiB)))).exists()
+    assert store._blob(ck.blob_key("t1", sha_of_bytes(b"s" * MiB))).exists()
+    assert store._blob(ck.blob_key("t2", sha_of_bytes(b"s" * MiB))).exists() and store.get(other.id)
+
+
+def sha_of_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -493,3 +493,27 @@ async def test_bad_env_names_are_a_400_not_an_agent_failure(tmp_path):
         with pytest.raises(BadRequest, match="env"):
             await svc.start(StartRequest(env=env))
     assert svc.list() == []
+
+
+@run
+async def test_a_checkpoint_is_deleted_only_when_nothing_needs_it(tmp_path):
+    """Issue 29, finding 13, on the core: a layered driver's (qemu's) newer checkpoint needs its parent;
+    a whole one's (gVisor's) does not; a sandbox resuming from a checkpoint needs it."""
+    svc = make(tmp_path)
+    sb = await start(svc)
+    c1 = await svc.checkpoint(sb.id)
+    c2 = await svc.checkpoint(sb.id)
+    c3 = await svc.checkpoint(sb.id)
+    driver_of(svc).layered_checkpoints = True
+    with pytest.raises(Conflict, match=f"checkpoint {c2.id} is layered on it") as e:
+        await svc.delete_checkpoint(sb.id, c1.id)
+    assert e.value.code == "in_use"
+    driver_of(svc).layered_checkpoints = False
+    await svc.delete_checkpoint(sb.id, c1.id)
+    assert [c["id"] for c in svc.checkpoints(sb.id)] == [c2.id, c3.id]
+    assert svc.manager.checkpoints.get(c2.id).parent is None
+    sb.record.resume_from = c2.id  # as after a crash: it resumes from c2
+    with pytest.raises(Conflict, match=f"sandbox {sb.id} resumes from it"):
+        await svc.delete_checkpoint(sb.id, c2.id)
+    with pytest.raises(Conflict, match="newest checkpoint"):
+        await svc.delete_checkpoint(sb.id, c3.id)

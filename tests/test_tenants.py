@@ -148,7 +148,7 @@ async def test_quotas_name_themselves_and_count_starts_in_flight(tmp_path):
         await start(svc, b)
     # The admin has no tenant quota; beta's quotas are not alpha's.
     await start(svc, ADMIN)
-    assert svc.tenant_model(await svc.tenants.get("beta"))["memory_mb"] == 2048
+    assert (await svc.tenant_model(await svc.tenants.get("beta")))["memory_mb"] == 2048
     assert [(t["name"], t["max_sandboxes"], t["sandboxes"]) for t in await svc.list_tenants()] == [
         ("alpha", 2, 2), ("beta", 3, 2)]
 
@@ -343,7 +343,8 @@ async def test_http_tenant_admin_errors_and_429(tmp_path):
             assert r.code == 400 and ("Invalid JSON" in r.data["message"] or "max_sandboxes" in r.data["message"])
         assert (await http("GET", "/api/tenants")).data == []  # nothing was made of any of it
         t = (await http("POST", "/api/tenants", {"name": "alpha", "max_sandboxes": 5})).data
-        assert set(t) == {"name", "token", "max_sandboxes", "max_memory_mb", "created", "sandboxes", "memory_mb"}
+        assert set(t) == {"name", "token", "max_sandboxes", "max_memory_mb", "max_checkpoint_mb", "created", "sandboxes",
+                          "memory_mb", "checkpoint_bytes"}
         assert (await http("POST", "/api/tenants", {"name": "alpha"})).code == 409
         listed = (await http("GET", "/api/tenants")).data
         assert [x["name"] for x in listed] == ["alpha"] and "token" not in listed[0]

@@ -145,6 +145,13 @@ class CheckpointsHandler(APIHandler):
         self.reply(cp.summary(), 201)
 
 
+class CheckpointHandler(APIHandler):
+    async def delete(self, sid, cid):
+        await self.service.delete_checkpoint(sid, cid, self.who)
+        self.set_status(204)
+        self.finish()
+
+
 class EgressHandler(APIHandler):
     """The sandbox's egress policy, changed while it lives: every request the
     proxy checks from now on is decided by the new one."""
@@ -240,7 +247,12 @@ def openapi() -> dict:
         "/api/sandboxes/{id}/resume": {"post": {"parameters": sid, "responses": resp(200, "SandboxModel")}},
         "/api/sandboxes/{id}/checkpoints": {
             "get": {"parameters": sid, "responses": resp(200)},
-            "post": {"parameters": sid, "requestBody": body("CheckpointRequest"), "responses": resp(201)}},
+            "post": {"parameters": sid, "requestBody": body("CheckpointRequest"),
+                     "summary": "Checkpoint it; 413 `quota` past the tenant's max_checkpoint_mb", "responses": resp(201)}},
+        "/api/sandboxes/{id}/checkpoints/{checkpoint}": {"delete": {
+            "parameters": sid + [{"name": "checkpoint", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "summary": "Delete a checkpoint and what only it stored; 409 `in_use` naming what still needs it",
+            "responses": resp(204, desc="Deleted")}},
         "/api/sandboxes/{id}/fork": {"post": {"parameters": sid, "requestBody": body("ForkRequest"),
                                               "responses": resp(201, "SandboxModel", "Created")}},
         "/api/sandboxes/{id}/egress": {
@@ -282,6 +294,7 @@ def routes() -> list:
         (rf"/api/sandboxes/({UUID})/execute", ExecuteHandler),
         (rf"/api/sandboxes/({UUID})/(pause|resume)", ActionHandler),
         (rf"/api/sandboxes/({UUID})/checkpoints/?", CheckpointsHandler),
+        (rf"/api/sandboxes/({UUID})/checkpoints/([0-9a-zA-Z_-]+)/?", CheckpointHandler),
         (rf"/api/sandboxes/({UUID})/fork", ForkHandler),
         (rf"/api/sandboxes/({UUID})/egress", EgressHandler),
         (rf"/api/sandboxes/({UUID})/files/?(.*)", FilesHandler),

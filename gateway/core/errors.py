@@ -60,6 +60,12 @@ class LimitReached(SandgateError):
     status, code = 403, "limit"
 
 
+class QuotaExceeded(LimitReached):
+    """A stored-bytes quota would be passed (a tenant's checkpoint storage): 413, naming it."""
+
+    status, code = 413, "quota"
+
+
 class Unavailable(SandgateError):
     """The runtime failed: could not start, restore or checkpoint; the message says why."""
 

@@ -9,6 +9,7 @@ they call core/service.py, which validates and shapes what they get back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import shutil
 import time
@@ -29,7 +30,7 @@ from ..kernelspecs import KernelSpecs
 from ..workspace import WorkspaceError, reap_mounts
 from ..store.base import SessionStore
 from . import states
-from .errors import LimitReached, NotFound, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, NotFound, SetupFailed, Unavailable
 from .pool import WarmPool
 from .record import SandboxRecord
 from .messages import utcnow
@@ -48,6 +49,7 @@ class SandboxManager:
         self.store = store
         self.sandboxes: Dict[str, Sandbox] = {}
         self._starting = 0
+        self._restoring: collections.Counter = collections.Counter()  # checkpoint id -> starts from it in flight
         self._rootfs: Optional[Path] = None
         self._agent_dir: Optional[Path] = None
         where, replica = settings.checkpoint_store, None
@@ -101,11 +103,17 @@ class SandboxManager:
             raise Unavailable("this gateway has no egress proxy: sandboxes here have no network")
         if len(self.sandboxes) + self._starting >= self.settings.max_kernels:
             raise LimitReached(f"Maximum number of sandboxes ({self.settings.max_kernels}) reached")
+        asked = checkpoint.id if checkpoint is not None else None
+        if asked:  # deleted since the caller read it? (delete_checkpoint checks _restoring)
+            if not (self.checkpoints.items / asked / "checkpoint.json").is_file():
+                raise NotFound(f"No such checkpoint: {asked}")
         rec = SandboxRecord(id=sandbox_id or str(uuid.uuid4()), owner=owner, kernel_name=kernel_name, driver=driver, env=env,
                             limits=limits, labels=labels or {}, node=self.store.node,
                             expires=time.time() + ttl if ttl else None, egress=egress, secrets=list(secrets),
                             egress_port=DEFAULT_PORT if egress is not None else None)
         self._starting += 1
+        if asked:
+            self._restoring[asked] += 1
         sb: Optional[Sandbox] = None
         how = "cold"
         try:
@@ -170,6 +178,10 @@ class SandboxManager:
             raise
         finally:
             self._starting -= 1
+            if asked:
+                self._restoring[asked] -= 1
+                if self._restoring[asked] <= 0:
+                    del self._restoring[asked]
         log.info("sandbox %s started (%s, runtime %s, %s)", sb.id, driver, sb.record.runtime, how)
         path = "pool" if how.endswith("pool") else "cold" if not checkpoint else (
             "template" if self.pool.is_template(checkpoint.id) else "checkpoint")
@@ -198,6 +210,55 @@ class SandboxManager:
         live = set(self.sandboxes) | {r.id for r in records}
         keep = {c for r in records for c in (r.origin, r.resume_from, r.head) if c}
         return await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
+
+    async def delete_checkpoint(self, cid: str) -> int:
+        """Delete checkpoint ``cid``, or Conflict naming what still needs it; what only it held
+        (blobs, chunks) is collected, what other checkpoints share is kept. Returns how many files
+        the collection removed."""
+        records = await self.store.list() if self.checkpoints.shared else None
+        # From the check to the record's removal nothing awaits: no start from it begins meanwhile.
+        try:
+            cp = self.checkpoints.get(cid)
+        except (KeyError, ValueError, OSError):
+            raise NotFound(f"No such checkpoint: {cid}") from None
+        why = self.needed_by(cp, records)
+        if why:
+            raise Conflict(f"checkpoint {cid} cannot be deleted: {'; '.join(why)}", code="in_use")
+        self.checkpoints.unlist(cid)
+        removed = await asyncio.to_thread(self.checkpoints.remove, cp)
+        if self.checkpoints.replica is not None:
+            try:
+                await asyncio.to_thread(self.checkpoints.replica.delete, cid)
+            except Exception as e:
+                log.warning("checkpoint %s left in the replica: %s", cid, e)
+        log.info("checkpoint %s deleted (%d unused files collected)", cid, removed)
+        return removed
+
+    def needed_by(self, cp: Checkpoint, records=None) -> List[str]:
+        """What keeps checkpoint ``cp`` from being deleted, in words (empty: nothing). ``records``:
+        every node's sandboxes (a shared store), else this node's."""
+        cid, why = cp.id, []
+        if cid in self.pool.templates.values():
+            why.append("it is the warm pool's template")
+        if self._restoring.get(cid):
+            why.append("a sandbox is being started from it")
+        if records is None:
+            records = [sb.record for sb in self.sandboxes.values()]
+        drivers = {r.id: r.driver for r in records}
+        for r in records:
+            if r.resume_from == cid:
+                why.append(f"sandbox {r.id} resumes from it ({r.state})")
+            if r.origin == cid:
+                why.append(f"sandbox {r.id} was forked from it")
+            if r.head == cid:
+                why.append(f"it is sandbox {r.id}'s newest checkpoint, the one it resumes from if its runtime is "
+                           "lost; take a newer one first")
+        for child in self.checkpoints.list():
+            driver = child.driver or drivers.get(child.sandbox) or cp.driver
+            layered = self.drivers[driver].layered_checkpoints if driver in self.drivers else True  # unknown: it may be
+            if child.parent == cid and layered:
+                why.append(f"checkpoint {child.id} is layered on it (its {driver or 'unknown'} disks)")
+        return why
 
     # -- the gateway's own restart -----------------------------------------------
     async def recover(self) -> None:

@@ -67,6 +67,7 @@ class TenantRecord(BaseModel):
     key_id: str = ""  # which key made an HMAC (core/tenants.py key_id): not the key
     max_sandboxes: Optional[int] = None  # None: the gateway's default (SANDGATE_TENANT_MAX_SANDBOXES)
     max_memory_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_MEMORY_MB
+    max_checkpoint_mb: Optional[int] = None  # None: SANDGATE_TENANT_MAX_CHECKPOINT_MB
     created: float = Field(default_factory=time.time)
 
 

@@ -29,13 +29,13 @@ from sandgate_agent import protocol as P
 
 from .. import metrics
 from ..agent_link import AgentError, AgentLink
-from ..checkpoints import Checkpoint, SnapshotTooLarge, dir_size
+from ..checkpoints import Checkpoint, OverQuota, SnapshotTooLarge, StoreQuota, dir_size
 from ..drivers.base import Sandbox as Runtime
 from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, QuotaExceeded, SetupFailed, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -570,12 +570,14 @@ class Sandbox:
         if self.state != State.RUNNING:
             raise self._conflict()
 
-    async def checkpoint(self, name: str = "", resume: bool = True) -> Checkpoint:
+    async def checkpoint(self, name: str = "", resume: bool = True, quota: Optional[StoreQuota] = None) -> Checkpoint:
+        """``quota``: what the owner's checkpoints may still store; past it the checkpoint is
+        refused (QuotaExceeded) and nothing of it kept."""
         async with self.lock:
             await self._run_again()
-            return await self._checkpoint(name, resume)
+            return await self._checkpoint(name, resume, quota)
 
-    async def _checkpoint(self, name: str, resume: bool) -> Checkpoint:
+    async def _checkpoint(self, name: str, resume: bool, quota: Optional[StoreQuota] = None) -> Checkpoint:
         store = self.manager.checkpoints
         await self.to(State.CHECKPOINTING)
         cid, _ = store.new_dir()
@@ -596,7 +598,8 @@ class Sandbox:
             raise
         owner = self.record.owner  # blobs deduplicated within the tenant only
         try:
-            files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner)  # stopped: same instant as memory
+            files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner,  # stopped: same instant as memory
+                                                    quota=quota)
         except BaseException as e:
             if in_place:  # the sandbox carries on regardless
                 await self._unpause(image, egress, after="")
@@ -607,6 +610,8 @@ class Sandbox:
                 raise
             if isinstance(e, SnapshotTooLarge):
                 raise LimitReached(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
+            if isinstance(e, OverQuota):
+                raise QuotaExceeded(f"no checkpoint of sandbox {self.id} (it runs on): {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
         # The sandbox goes on from the whole image first, and the image is cut into chunks
         # after (state_chunks.py): that work costs the checkpoint call time, not the sandbox.
@@ -622,9 +627,12 @@ class Sandbox:
                 carry_on_failed = e
         try:
             state_bytes, state_new = await asyncio.to_thread(store.store_state, cid, owner, self.driver.state_images)
-            cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, parent=self.record.head, created=time.time(), name=name,
+            if quota is not None and state_new + new > quota.left:  # the image's share is known only now
+                raise quota.refuse(state_new + new)
+            cp = Checkpoint(id=cid, sandbox=self.id, owner=owner, driver=self.record.driver, parent=self.record.head,
+                            created=time.time(), name=name,
                             state_bytes=state_bytes, files=files,
-                            files_bytes=sum(f.size for f in files.values()), new_bytes=new,
+                            files_bytes=sum(f.size for f in files.values() if f.link is None), new_bytes=new,
                             stored_bytes=state_new + new, executions=self.executions.to_record())
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
             # Its image assembled now, in the background, so that forking it skips that step.
@@ -635,6 +643,9 @@ class Sandbox:
                 await self.to(State.DEAD, reason=f"stopped for a checkpoint that could not be stored: {e}")
             if isinstance(e, asyncio.CancelledError) or carry_on_failed:
                 raise carry_on_failed or e
+            if isinstance(e, OverQuota):
+                await asyncio.to_thread(store.sweep)  # its new chunks: the quota is not to be passed on disk either
+                raise QuotaExceeded(f"no checkpoint of sandbox {self.id}{' (it runs on)' if resume else ''}: {e}") from None
             raise Unavailable(f"checkpoint of sandbox {self.id} failed{'; it runs on' if resume else ''}: {e}") from None
         self.record = self.record.model_copy(update={"head": cid})
         # Stored now: the carry-on saved the record before the head existed, and a fleet node

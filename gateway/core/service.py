@@ -19,13 +19,13 @@ from typing import Awaitable, Callable, Dict, List, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..agent_link import AgentError
-from ..checkpoints import Checkpoint
+from ..checkpoints import Checkpoint, StoreQuota
 from ..config import Settings
 from ..drivers.base import Limits
 from ..egress.policy import EgressPolicy
 from ..egress.secrets import Secret, Secrets, placeholders
-from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, RateLimited,
-                     SandgateError, Unavailable)
+from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, QuotaExceeded,
+                     RateLimited, SandgateError, Unavailable)
 from .manager import SandboxManager
 from .messages import utcnow
 from .record import TenantRecord
@@ -138,6 +138,8 @@ class SandboxService:
         self.settings: Settings = manager.settings
         self.tenants = Tenants(manager.store, self.settings, **({"clock": clock} if clock else {}))
         self._pending: Dict[str, tuple] = {}  # sandbox id -> (tenant, memory_mb) of starts in flight
+        # One checkpoint at a time per tenant with a storage quota: each counts what the one before stored.
+        self._storing: Dict[str, asyncio.Lock] = {}
 
     # -- reading -------------------------------------------------------------------
     def get(self, sandbox_id: str, who: Principal = ADMIN) -> Sandbox:
@@ -305,7 +307,7 @@ class SandboxService:
         sid = await self._admit(who, r.limits.memory_mb)  # before a checkpoint is taken for it
         try:
             spec = self.manager.specs.get(r.kernel_name)
-            cp = self.checkpoint_get(checkpoint, who) if checkpoint else await source.checkpoint("fork")
+            cp = self.checkpoint_get(checkpoint, who) if checkpoint else await self._checkpoint(source, "fork")
         except KeyError:
             self._pending.pop(sid, None)
             raise NotFound(f"No such kernel named {r.kernel_name}") from None
@@ -320,11 +322,13 @@ class SandboxService:
         if not who.admin:
             raise Forbidden("only the admin (the gateway's token) manages tenants")
 
-    def tenant_model(self, rec: TenantRecord) -> dict:
+    async def tenant_model(self, rec: TenantRecord) -> dict:
         max_sandboxes, max_memory = self.tenants.quotas(rec)
         count, mem = self.usage(rec.name)
-        return TenantModel(name=rec.name, max_sandboxes=max_sandboxes, max_memory_mb=max_memory, created=rec.created,
-                           sandboxes=count, memory_mb=mem).model_dump()
+        stored = await asyncio.to_thread(self.manager.checkpoints.usage, rec.name)
+        return TenantModel(name=rec.name, max_sandboxes=max_sandboxes, max_memory_mb=max_memory,
+                           max_checkpoint_mb=self.tenants.checkpoint_quota(rec), created=rec.created,
+                           sandboxes=count, memory_mb=mem, checkpoint_bytes=stored).model_dump()
 
     async def create_tenant(self, body: TenantCreate, who: Principal = ADMIN) -> dict:
         """The tenant's model and its token; the token is not kept, only its hash."""
@@ -337,15 +341,15 @@ class SandboxService:
                            "tenant of that name); delete those or pick another name", code="exists")
         rec, token = await self.tenants.create(body)
         log.info("tenant %s created", rec.name)
-        return {**self.tenant_model(rec), "token": token}
+        return {**await self.tenant_model(rec), "token": token}
 
     async def list_tenants(self, who: Principal = ADMIN) -> List[dict]:
         self._admin(who)
-        return [self.tenant_model(r) for r in await self.tenants.list()]
+        return [await self.tenant_model(r) for r in await self.tenants.list()]
 
     async def get_tenant(self, name: str, who: Principal = ADMIN) -> dict:
         self._admin(who)
-        return self.tenant_model(await self.tenants.get(name))
+        return await self.tenant_model(await self.tenants.get(name))
 
     async def delete_tenant(self, name: str, who: Principal = ADMIN) -> dict:
         """The tenant, its token, and every sandbox it has (with their
@@ -383,7 +387,32 @@ class SandboxService:
         return sb
 
     async def checkpoint(self, sandbox_id: str, name: str = "", who: Principal = ADMIN) -> Checkpoint:
-        return await self.get(sandbox_id, who).checkpoint(name)
+        return await self._checkpoint(self.get(sandbox_id, who), name)
+
+    async def _checkpoint(self, sb: Sandbox, name: str) -> Checkpoint:
+        """A checkpoint of ``sb`` within its owner's storage quota: refused (413, naming it) before
+        anything is written when the tenant's checkpoints already fill it, and before the files are
+        stored when they would pass it. The admin's have none."""
+        owner = sb.record.owner
+        rec = await self.manager.store.get_tenant(owner) if owner else None
+        limit = self.tenants.checkpoint_quota(rec) if rec is not None else 0
+        if not limit:
+            return await sb.checkpoint(name)
+        lock = self._storing.setdefault(owner, asyncio.Lock())
+        async with lock:
+            used = await asyncio.to_thread(self.manager.checkpoints.usage, owner)
+            quota = StoreQuota(owner, limit << 20, used, "SANDGATE_TENANT_MAX_CHECKPOINT_MB")
+            if quota.left <= 0:
+                raise QuotaExceeded(f"no checkpoint of sandbox {sb.id} (it runs on): {quota.refuse()}")
+            return await sb.checkpoint(name, quota=quota)
+
+    async def delete_checkpoint(self, sandbox_id: str, cid: str, who: Principal = ADMIN) -> None:
+        """Delete one of the sandbox's checkpoints; 409 naming what still needs it (a fork from it,
+        a sandbox that resumes from it, the sandbox's newest, a newer checkpoint layered on it)."""
+        self.get(sandbox_id, who)
+        if self.checkpoint_get(cid, who).sandbox != sandbox_id:
+            raise NotFound(f"No such checkpoint: {cid}")
+        await self.manager.delete_checkpoint(cid)
 
     async def pause(self, sandbox_id: str, mode: str = "disk", who: Principal = ADMIN) -> Sandbox:
         sb = self.get(sandbox_id, who)

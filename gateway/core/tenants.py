@@ -76,6 +76,9 @@ class TenantCreate(BaseModel):
     max_memory_mb: Optional[int] = Field(None, ge=0, le=1 << 30,
                                          description="sum of its sandboxes' memory_mb; 0 no quota "
                                                      "(SANDGATE_TENANT_MAX_MEMORY_MB)")
+    max_checkpoint_mb: Optional[int] = Field(None, ge=0, le=1 << 30,
+                                             description="MB its checkpoints may store on disk; 0 no quota "
+                                                         "(SANDGATE_TENANT_MAX_CHECKPOINT_MB)")
 
 
 class TenantModel(BaseModel):
@@ -84,9 +87,11 @@ class TenantModel(BaseModel):
     name: str
     max_sandboxes: int  # in force (its own, or the gateway's default); 0 = no quota
     max_memory_mb: int
+    max_checkpoint_mb: int
     created: float
     sandboxes: int  # it has now
     memory_mb: int  # the sum of their memory_mb
+    checkpoint_bytes: int  # what its checkpoints store on disk now (each blob and chunk once)
 
 
 def token_key(settings: Settings) -> bytes:
@@ -185,7 +190,8 @@ class Tenants:
         """A new tenant and its token (returned here only)."""
         secret = secrets.token_urlsafe(32)
         rec = self._hashed(TenantRecord(name=body.name, token_hash="", salt="", max_sandboxes=body.max_sandboxes,
-                                        max_memory_mb=body.max_memory_mb), secret)
+                                        max_memory_mb=body.max_memory_mb, max_checkpoint_mb=body.max_checkpoint_mb),
+                           secret)
         if not await self.store.create_tenant(rec):
             raise Conflict(f"tenant {body.name} exists", code="exists")
         return rec, f"{TOKEN_PREFIX}.{body.name}.{secret}"
@@ -214,6 +220,11 @@ class Tenants:
         s = self.settings
         return (s.tenant_max_sandboxes if rec.max_sandboxes is None else rec.max_sandboxes,
                 s.tenant_max_memory_mb if rec.max_memory_mb is None else rec.max_memory_mb)
+
+    def checkpoint_quota(self, rec: TenantRecord) -> int:
+        """MB its checkpoints may store; 0 = no quota."""
+        s = self.settings
+        return s.tenant_max_checkpoint_mb if rec.max_checkpoint_mb is None else rec.max_checkpoint_mb
 
     # -- authentication ------------------------------------------------------------
     async def authenticate(self, token: str) -> Optional[Principal]:

@@ -212,6 +212,10 @@ class Driver(abc.ABC):
     # (state_chunks.py), so that a checkpoint after a small change stores little. Only files
     # nothing refers to by path (a qcow2 overlay is another disk's backing file: kept whole).
     state_images: Tuple[str, ...] = ()
+    # Whether a checkpoint's files are layered on its parent's (a qcow2 overlay whose backing file
+    # is the older checkpoint's disk), and a sandbox restored from one on that checkpoint's: then
+    # a checkpoint cannot be deleted while a newer one or such a sandbox needs it.
+    layered_checkpoints: bool = False
 
     @classmethod
     @abc.abstractmethod

@@ -397,6 +397,7 @@ class FirecrackerDriver(Driver):
     sync_before_checkpoint = True
     env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
     shares_workspace = False  # its workspace is a qcow2/raw disk kept in the workspace directory
+    layered_checkpoints = True  # its disks and memory files are shared with what is restored from them
 
     def __init__(self, root_dir: str):
         self.root_dir = Path(root_dir)  # the registry of running VMs, for reap()

@@ -596,6 +596,7 @@ class QemuDriver(Driver):
     env_at_boot = False  # the guest boots from a shared image: the core sends env in `setup`
     shares_workspace = False  # its workspace is a qcow2/raw disk kept in the workspace directory
     state_images = ("state.mig",)  # the migration stream; the overlays are backing files, kept whole
+    layered_checkpoints = True  # those overlays back the next checkpoint's and the restored VM's disks
 
     def __init__(self, root_dir: str):
         self.home = Path(root_dir).parents[1]

@@ -435,7 +435,26 @@ verdict(r == -1, (r, errno.errorcode.get(ctypes.get_errno())))
     ("signal-the-agent", PRIV, 'all_fail([(os.kill, 1, 9), (os.kill, 1, 19)])'),
     ("agent-memory-root-cwd-exe", PRIV, 'all_fail([(read, "/proc/1/mem"), (os.listdir, "/proc/1/root/"), (os.listdir, "/proc/1/cwd/"),\n'
                                         '          (read, "/proc/1/exe"), (os.readlink, "/proc/1/exe")])'),
-    ("agent-environ-maps-auxv", PRIV, 'all_fail([(read, "/proc/1/environ"), (read, "/proc/1/maps"), (read, "/proc/1/auxv")])'),
+    ("agent-process-info", PRIV, r'''
+# The whole class, not three paths: every file and link under the agent's (pid 1's) /proc/1/ and
+# /proc/1/task/<tid>/, and /proc/<tid>/ of each of its threads (found by number; they are not listed).
+# Not net/: the network namespace's files, which /proc/net shows anyway.
+try:
+    tids = os.listdir("/proc/1/task")
+except OSError:
+    tids = ["1"]
+seen = []
+for base in ["/proc/1"] + [f"/proc/1/task/{t}" for t in tids] + [f"/proc/{t}" for t in tids if t != "1"]:
+    for root, dirs, files in os.walk(base, onerror=lambda e: None):
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # cwd, root: read, not walked
+        dirs[:] = [d for d in dirs if d not in ("net", "task") and d not in links]
+        for name in files + links:
+            p = os.path.join(root, name)
+            e, r = attempt(os.readlink if os.path.islink(p) else read, p)
+            if e is None:
+                seen.append(p)
+verdict(not seen, f"{len(seen)} readable: {sorted(set(p.rsplit('/', 1)[1] for p in seen))}" if seen else "none readable")
+'''),
     ("mount-tmpfs-proc-bind", PRIV, r'''
 os.makedirs("/tmp/m", exist_ok=True)
 c_all_fail([("mount", b"none", b"/tmp/m", b"tmpfs", 0, None), ("mount", b"proc", b"/tmp/m", b"proc", 0, None),
@@ -742,10 +761,12 @@ FORGED_ATTEMPTS = [("forged-kernel-messages-to-the-agent", AGENT)]
 # Attempts that succeeded, per driver: the test asserts the safe behaviour and is marked
 # xfail(strict=True) with this reason, so it fails once the finding is fixed (and must move to FIXED).
 FINDINGS = {
-    ("agent-environ-maps-auxv", "gvisor"):
-        "runsc 20221219's /proc/<pid>/{environ,maps,auxv} are 0444 with no ptrace-access check: the sandbox user "
-        "reads the agent's (root, pid 1) initial environment (the kernel's base environment, no secret) and its "
-        "memory map (its ASLR layout)",
+    ("agent-process-info", "gvisor"):
+        "runsc's /proc/<pid>/ files are mode 0444 (0400 for few) with no ptrace-access check, and it has no "
+        "hidepid: the sandbox user reads the agent's (root, pid 1) environ, maps, smaps, auxv, stat, status, "
+        "cmdline, fdinfo/*, and the same under /proc/1/task/<tid>/ and /proc/<tid>/ for each of its threads "
+        "(its initial environment, no secret; its memory layout, which defeats ASLR). PR_SET_DUMPABLE 0 makes "
+        "them root's but leaves them 0444, chmod is EPERM; runsc 20240729 is the same",
 }
 # Found and fixed on this branch: (id, driver) -> what was wrong and the fix.
 FIXED = {
@@ -754,6 +775,9 @@ FIXED = {
     ("unshare-user-namespace", "gvisor"):
         "runsc 20221219 let the sandbox user create a user namespace; now unshare, setns and clone with a "
         "CLONE_NEW* flag are EPERM for every process, by an OCI seccomp filter the Sentry enforces (--oci-seccomp)",
+    ("agent-process-info", "qemu"):
+        "a VM's /proc showed the agent's stat, status, cmdline, comm, mounts and more to the sandbox user "
+        "(environ, maps and auxv needed ptrace access there); now the agent remounts /proc with hidepid=2",
     ("unshare-mount-cgroup-namespaces", "gvisor"):
         "runsc 20221219 let a process without capabilities unshare(CLONE_NEWNS) and unshare(CLONE_NEWCGROUP); now "
         "refused by the same seccomp filter",
