@@ -373,7 +373,9 @@ def main(argv=None) -> int:
     s.add_argument("--egress-hosts",
                    help="name=address,... the egress proxy resolves without DNS, as /etc/hosts (SANDGATE_EGRESS_HOSTS)")
     s.add_argument("--redis-url", help="keep sandbox records and tenants in this Redis, shared by a fleet of "
-                                       "gateways (SANDGATE_REDIS_URL; default: SQLite under the home)")
+                                       "gateways (SANDGATE_REDIS_URL; default: SQLite under the home); needs "
+                                       "SANDGATE_FLEET_KEY, the same on every node. A password in the URL shows in "
+                                       "ps: prefer the variable")
     s.add_argument("--node-id", help="this gateway's name in the fleet (SANDGATE_NODE_ID, default: the host name)")
     s.set_defaults(fn=cmd_serve)
 

@@ -55,18 +55,26 @@ class Sealer:
 
     @classmethod
     def from_home(cls, home: Path) -> "Sealer":
-        """``<home>/secrets.key``, made (0600, exclusively) if missing."""
+        """``<home>/secrets.key``, made (0600) if missing: written whole to a temporary file, then linked
+        into place, so a crash never leaves a short key and a second maker reads the first one's."""
         path = home / "secrets.key"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            key = path.read_bytes()
-            if len(key) != 32:
-                raise SealError(f"{path} is not a 32-byte key ({len(key)} bytes)") from None
-            return cls(key, str(path))
-        key = secrets.token_bytes(32)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
+        if not path.exists():
+            tmp = home / f".secrets.key.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(32))
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    pass  # made meanwhile: that one is the key
+            finally:
+                os.unlink(tmp)
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise SealError(f"{path} is not a 32-byte key ({len(key)} bytes)")
         return cls(key, str(path))
 
     @staticmethod

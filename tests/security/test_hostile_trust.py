@@ -274,3 +274,51 @@ def test_redis_records_hold_secret_values_sealed_and_bound_to_their_record(tmp_p
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_fleet_signatures_hold_only_for_their_node_time_key_and_once():
+    """The fleet key's checks (core/fleetauth.py) one by one, with a clock the test moves: what the
+    fleet tests cannot reach through HTTP (a skewed clock, a heartbeat edited or too old)."""
+    from tornado.httputil import HTTPHeaders
+
+    from sandgate.core.fleetauth import FleetAuth, FleetAuthError
+    from sandgate.core.tenants import ADMIN, Principal
+
+    now = [1_000_000.0]
+    key = "k" * 40
+    a, b = FleetAuth(key, "node-a", clock=lambda: now[0]), FleetAuth(key, "node-b", clock=lambda: now[0])
+    stranger = FleetAuth("x" * 40, "node-a", clock=lambda: now[0])
+
+    def headers(auth, to="node-b", who=Principal("acme"), body=b"{}"):
+        return HTTPHeaders(auth.sign("POST", "/api/sandboxes/s/execute", body, to, who))
+
+    h = headers(a)
+    assert b.verify("POST", "/api/sandboxes/s/execute", b"{}", h) == (Principal("acme"), "node-a")
+    with pytest.raises(FleetAuthError, match="replayed"):
+        b.verify("POST", "/api/sandboxes/s/execute", b"{}", h)
+    for method, uri, body, hdrs, why in [
+            ("POST", "/api/sandboxes/s/execute", b"{}", headers(a, to="node-c"), "signed for node"),
+            ("POST", "/api/sandboxes/s/execute", b"{}", headers(stranger), "bad signature"),
+            ("POST", "/api/sandboxes/s/execute", b'{"code": "1"}', headers(a), "bad signature"),
+            ("POST", "/api/sandboxes/t/execute", b"{}", headers(a), "bad signature"),
+            ("GET", "/api/sandboxes/s/execute", b"{}", headers(a), "bad signature")]:
+        with pytest.raises(FleetAuthError, match=why):
+            b.verify(method, uri, body, hdrs)
+    forged = headers(a)
+    forged["X-Sandgate-Principal"] = "admin"
+    with pytest.raises(FleetAuthError, match="bad signature"):
+        b.verify("POST", "/api/sandboxes/s/execute", b"{}", forged)
+    old = headers(a, who=ADMIN)
+    now[0] += 61
+    with pytest.raises(FleetAuthError, match="signed 61 s ago"):
+        b.verify("POST", "/api/sandboxes/s/execute", b"{}", old)
+
+    beat = a.sign_heartbeat({"url": "http://127.0.0.1:1", "capacity": 3, "sandboxes": 1})
+    assert b.heartbeat_ok("node-a", beat)
+    assert not b.heartbeat_ok("node-b", beat)  # another node's name
+    assert not b.heartbeat_ok("node-a", {**beat, "url": "http://127.0.0.1:2"})
+    assert not b.heartbeat_ok("node-a", {**beat, "capacity": 99})
+    assert not b.heartbeat_ok("node-a", {"url": "http://127.0.0.1:2", "capacity": 99})
+    assert not stranger.heartbeat_ok("node-a", beat)
+    now[0] += 61
+    assert not b.heartbeat_ok("node-a", beat)  # replayed after its window
