@@ -291,6 +291,21 @@ async def test_a_huge_client_hello_fails_the_handshake(tmp_path, servers, caplog
 
 
 @run
+async def test_a_malformed_client_hello_is_not_copied_into_the_log(tmp_path, servers, caplog):
+    caplog.set_level(logging.DEBUG)
+    target = f"secure.test:{servers['tls'].port}"
+    async with proxy_and_bridge(tmp_path, recorder_bundle(servers), policy(servers)) as (proxy, _):
+        reader, writer = await proxy.open(SID)
+        writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        # one whole record whose handshake message is not a ClientHello mitmproxy can parse
+        writer.write(b"\x16\x03\x01\x40\x00" + b"\x01\x00\x3f\xfc" + b"\xee" * (0x4000 - 4))
+        await refused(reader)
+    failed = [r.getMessage() for r in caplog.records if "ClientHello" in r.getMessage()]
+    assert failed and max(len(m) for m in failed) < 1000, [m[:300] for m in failed]
+
+
+@run
 async def test_bytes_sent_ahead_of_a_pending_response_are_bounded(tmp_path, servers):
     plain = servers["plain"]
     target = f"plain.test:{plain.port}"
