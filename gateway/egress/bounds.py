@@ -5,7 +5,7 @@ and keeps whatever no layer has consumed yet: an HTTP/1 head in its receive buff
 ends it, with no limit ("FIXME: protect against header size DoS" in its ``_http1.py``), a TLS ClientHello
 until it is whole (up to 16 MiB), and every event that arrives while a layer waits on a hook or on an
 upstream connect. Code in a sandbox could make the gateway hold gigabytes (one 100 MiB head: +491 MB),
-and an oversized head reached upstream. mitmproxy has no option for any of this, so three small bounds:
+and an oversized head reached upstream. mitmproxy has no option for any of this, so a few small bounds:
 
 - ``Gate`` (installed on each connection by the proxy's ``client_connected``): a client connection is not
   read while a hook or an upstream connect of its connection is in flight. Its bytes wait in the socket,
@@ -17,6 +17,8 @@ and an oversized head reached upstream. mitmproxy has no option for any of this,
   the receive buffer either (bytes sent ahead while a response is pending, a chunk-size line, trailers):
   past ``HEAD_MAX`` the connection is closed.
 - a ClientHello over ``HELLO_MAX`` bytes fails the handshake.
+- a WebSocket message over ``MESSAGE_MAX`` (mitmproxy reassembles each before relaying it) closes that
+  WebSocket, and relayed messages are not kept (mitmproxy keeps them all for its UI).
 
 The wrappers replace methods of mitmproxy's classes (once per process, as mitmproxy keeps one master per
 process): the gateway runs the only proxy in it. mitmproxy is pinned (pyproject.toml), and
@@ -37,11 +39,13 @@ from mitmproxy.proxy.layers.http import _http1
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import RequestProtocolError, ResponseProtocolError
 from mitmproxy.proxy.layers.tls import ClientTLSLayer
+from mitmproxy.proxy.layers.websocket import WebsocketLayer
 
 HEAD_MAX = 64 << 10  # a request or response head: its first line, header fields and blank line
 LINE_MAX = 16 << 10  # one line of a head (nginx's default is 8 KiB; long tokens and cookies exist)
 FIELDS_MAX = 128  # header fields in one head (each is a few Python objects once parsed)
 HELLO_MAX = 64 << 10  # a TLS ClientHello (a real one is a few KiB; OpenSSL refuses one over 128 KiB)
+MESSAGE_MAX = 1 << 20  # one WebSocket message, which mitmproxy puts together before it relays it
 
 # Told (client connection id, why) when a client connection is refused here; the proxy logs it with
 # the sandbox's id.
@@ -123,9 +127,29 @@ def _bounded_handshake(original):
         if not self.client_hello_parsed and len(self.recv_buffer) + len(data) > HELLO_MAX:
             on_refused(self.context.client.id, f"TLS ClientHello over {HELLO_MAX} bytes")
             return False, f"ClientHello over {HELLO_MAX} bytes"
-        return (yield from original(self, data))
+        done, err = yield from original(self, data)
+        # mitmproxy's "Cannot parse ClientHello: <every byte in hex>" is logged as a warning: from a
+        # sandbox, 128 KiB of the gateway's log per connection
+        return done, err[:200] + "..." if err and len(err) > 200 else err
     receive_handshake_data.sandgate_bounded = True
     return receive_handshake_data
+
+
+def _bounded_relay(original):
+    def relay_messages(self, event):
+        yield from original(self, event)
+        # mitmproxy keeps every message of a WebSocket for its UI: the proxy has none, they go once relayed
+        self.flow.websocket.messages.clear()
+        held = max(sum(map(len, self.client_ws.frame_buf)), sum(map(len, self.server_ws.frame_buf)))
+        if held > MESSAGE_MAX:
+            on_refused(self.context.client.id, f"WebSocket message over {MESSAGE_MAX} bytes")
+            self.client_ws.frame_buf = [b""]
+            self.server_ws.frame_buf = [b""]
+            self._handle_event = self.done
+            yield commands.CloseConnection(self.context.client)
+            yield commands.CloseConnection(self.context.server)
+    relay_messages.sandgate_bounded = True
+    return relay_messages
 
 
 def install() -> None:
@@ -136,6 +160,8 @@ def install() -> None:
     base = _http1.Http1Connection
     if not getattr(base._handle_event, "sandgate_bounded", False):
         base._handle_event = _bounded_handle_event(base._handle_event)
+    if not getattr(WebsocketLayer.relay_messages, "sandgate_bounded", False):
+        WebsocketLayer.relay_messages = _bounded_relay(WebsocketLayer.relay_messages)
     if not getattr(ClientTLSLayer.receive_handshake_data, "sandgate_bounded", False):
         ClientTLSLayer.receive_handshake_data = _bounded_handshake(ClientTLSLayer.receive_handshake_data)
 

@@ -186,6 +186,8 @@ class _Guard:
         flow.request.data.host = request.verdict.address
         if flow.request.scheme == "https":  # a credential never crosses the network in clear text
             _add_credentials(flow, sandbox, host)
+        # No WebSocket compression: mitmproxy inflates each frame whole before bounds.py can count it
+        flow.request.headers.pop("Sec-WebSocket-Extensions", None)
         flow.request.stream = request.up
 
     async def _resolve(self, host: str, port: int) -> Optional[List[IPAddress]]:

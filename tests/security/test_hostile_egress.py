@@ -11,7 +11,9 @@ request body while a hook is in flight (back-pressure, nothing cut), a refused b
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import logging
 import socket
 import ssl
@@ -82,6 +84,16 @@ class Recorder:
                 del buf[:length]
                 if path == b"/slow":
                     self.release.wait(60)
+                if path == b"/ws":  # a WebSocket that says hi, then only counts what it receives
+                    self.ws_head = head
+                    key = next(line.split(b":")[1].strip() for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"sec-websocket-key:"))
+                    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+                    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n\x81\x02hi")
+                    while self._recv(conn):
+                        pass
+                    return
                 if path == b"/hugehead":
                     conn.sendall(b"HTTP/1.1 200 OK\r\nX-Big: " + b"b" * MiB + b"\r\nContent-Length: 0\r\n\r\n")
                     continue
@@ -288,6 +300,57 @@ async def test_a_huge_client_hello_fails_the_handshake(tmp_path, servers, caplog
                 await writer.drain()
         await refused(reader)  # closed, long before 8 MiB
     assert any(f"{SID}: connection closed: TLS ClientHello over" in r.getMessage() for r in caplog.records)
+
+
+@run
+async def test_a_malformed_client_hello_is_not_copied_into_the_log(tmp_path, servers, caplog):
+    caplog.set_level(logging.DEBUG)
+    target = f"secure.test:{servers['tls'].port}"
+    async with proxy_and_bridge(tmp_path, recorder_bundle(servers), policy(servers)) as (proxy, _):
+        reader, writer = await proxy.open(SID)
+        writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        # one whole record whose handshake message is not a ClientHello mitmproxy can parse
+        writer.write(b"\x16\x03\x01\x40\x00" + b"\x01\x00\x3f\xfc" + b"\xee" * (0x4000 - 4))
+        await refused(reader)
+    failed = [r.getMessage() for r in caplog.records if "ClientHello" in r.getMessage()]
+    assert failed and max(len(m) for m in failed) < 1000, [m[:300] for m in failed]
+
+
+def ws_frame(opcode: int, fin: bool, payload: bytes) -> bytes:
+    """A client's WebSocket frame (masked, with a zero key, so the payload is as written)."""
+    n = len(payload)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return bytes([(0x80 if fin else 0) | opcode]) + size + b"\0\0\0\0" + payload
+
+
+@run
+async def test_a_websocket_relays_but_one_message_is_bounded(tmp_path, servers, caplog):
+    caplog.set_level(logging.INFO, logger="sandgate.egress")
+    plain = servers["plain"]
+    target = f"plain.test:{plain.port}"
+    upgrade = (f"GET http://{target}/ws HTTP/1.1\r\nHost: {target}\r\nUpgrade: websocket\r\n"
+               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+               "Sec-WebSocket-Extensions: permessage-deflate\r\n\r\n").encode()
+    async with proxy_and_bridge(tmp_path, recorder_bundle(servers), policy(servers)) as (proxy, _):
+        reader, writer = await proxy.open(SID)
+        writer.write(upgrade)
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        assert await reader.readexactly(4) == b"\x81\x02hi"  # relayed
+        assert b"permessage-deflate" not in plain.ws_head  # no compression offered upstream
+        before = plain.received
+        writer.write(ws_frame(0x2, True, b"hello"))  # a small message goes through
+        while plain.received < before + 11:
+            await asyncio.sleep(0.05)
+        before = plain.received
+        writer.write(ws_frame(0x2, False, b"z" * 60000))  # then one message of 8 MiB, in fragments
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            for _ in range(8 * MiB // 60000):
+                writer.write(ws_frame(0x0, False, b"z" * 60000))
+                await writer.drain()
+        await refused(reader)  # closed, long before 8 MiB
+        assert plain.received - before < MiB  # none of it relayed: mitmproxy holds a message whole
+    assert any(f"{SID}: connection closed: WebSocket message over" in r.getMessage() for r in caplog.records)
 
 
 @run
