@@ -37,12 +37,12 @@ import zlib
 from typing import Dict, List, Optional
 from urllib.parse import parse_qsl
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tornado import iostream, web
 
 from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError
 from ..core.messages import iso, iso_epoch, utcnow
-from ..core.service import MAX_TTL, StartRequest
+from ..core.service import MAX_LABEL_VALUE, MAX_LABELS, MAX_TTL, StartRequest, check_labels
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
@@ -73,13 +73,16 @@ class E2BModel(BaseModel):
 
 
 class NewSandbox(E2BModel):
-    templateID: str = DEFAULT_TEMPLATE
+    templateID: str = Field(DEFAULT_TEMPLATE, max_length=MAX_LABEL_VALUE)  # kept as a label
     timeout: Optional[int] = Field(None, ge=0)
-    metadata: Dict[str, str] = {}
+    metadata: Dict[str, str] = {}  # labels, beside the template's own
     envVars: Dict[str, str] = {}
     autoPause: Optional[bool] = None
     allow_internet_access: Optional[bool] = None
     secure: Optional[bool] = None
+
+    _metadata = field_validator("metadata", mode="before")(
+        classmethod(lambda cls, v: check_labels(v, "metadata", MAX_LABELS - 1)))
 
 
 class TimeoutBody(E2BModel):

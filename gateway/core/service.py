@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Awaitable, Callable, Dict, List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..agent_link import AgentError
 from ..checkpoints import Checkpoint
@@ -39,6 +39,29 @@ log = logging.getLogger("sandgate.service")
 # -- request models (the edge validates; the core trusts) ---------------------
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_TTL = 10 * 365 * 86400  # beyond any ceiling an operator sets; keeps expiry a real date
+# Labels (E2B's metadata) are kept in every record, listed with every sandbox and matched by E2B's
+# list filter: a handful of short strings, bounded so that no caller can make them megabytes.
+MAX_LABELS = 64
+MAX_LABEL_KEY = 128  # characters
+MAX_LABEL_VALUE = 1024
+
+
+def check_labels(labels: object, field: str = "labels", most: int = MAX_LABELS) -> object:
+    """Count and sizes, checked before the types so that a refusal never quotes a huge key."""
+    if not isinstance(labels, dict):
+        return labels  # the type check says what is wrong
+    if len(labels) > most:
+        raise ValueError(f"at most {most} keys, not {len(labels)}")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_LABEL_KEY:
+            size = len(key) if isinstance(key, str) else "?"
+            raise ValueError(f"a key of {size} characters: {field} keys are 1-{MAX_LABEL_KEY} characters")
+        if isinstance(value, str) and len(value) > MAX_LABEL_VALUE:
+            raise ValueError(f"{key!r} has a value of {len(value)} characters: {field} values are at most "
+                             f"{MAX_LABEL_VALUE} characters")
+    return labels
+
+
 class LimitsRequest(BaseModel):
     """Any subset; the rest are the gateway's defaults."""
 
@@ -56,7 +79,8 @@ class SandboxCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
-    labels: Dict[str, str] = {}
+    labels: Dict[str, str] = Field({}, description=f"at most {MAX_LABELS}; keys 1-{MAX_LABEL_KEY} characters, "
+                                                 f"values up to {MAX_LABEL_VALUE}")
     limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
     ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
                                  description="seconds until the sandbox is deleted")
@@ -64,6 +88,9 @@ class SandboxCreate(BaseModel):
     egress: Optional[EgressPolicy] = Field(None, description="what it may reach through the egress proxy; "
                                            "omitted: no network at all (docs/egress.md)")
     secrets: Secrets = Field([], description="headers the proxy adds for it, and placeholders (write-only)")
+
+
+    _labels = field_validator("labels", mode="before")(classmethod(lambda cls, v: check_labels(v)))
 
 
 class StartRequest(SandboxCreate):
