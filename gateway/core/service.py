@@ -9,6 +9,7 @@ which each front end maps once (api/base.py for HTTP).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import re
@@ -444,7 +445,7 @@ class SandboxService:
             try:
                 return await sb.link.request(op, args, payload)
             except AgentError as e:
-                raise file_error(e, args.get("path", "")) from None
+                raise file_error(e, args.get("path", ""), op) from None
 
     async def list_files(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> dict:
         return (await self._agent(sandbox_id, "file_list", {"path": path}, who=who))[0]
@@ -462,7 +463,19 @@ class SandboxService:
         await self._agent(sandbox_id, "file_delete", {"path": path}, who=who)
 
 
-def file_error(e: AgentError, path: str) -> SandgateError:
+ERRNO = re.compile(r"\[Errno (\d+)\] ([^:]+)")
+NAME_MAX = 255  # bytes in one name: Linux's file systems' limit (ext4, gVisor's tmpfs)
+# The agent's OSErrors by errno ("[Errno N] text"; the agent of any version says it so): what in the
+# request, or in the workspace's state, the caller has to change. None of them is a 500.
+BY_ERRNO = {
+    errno.ENAMETOOLONG: BadRequest, errno.EINVAL: BadRequest, errno.ELOOP: Forbidden, errno.EROFS: Forbidden,
+    errno.ENXIO: Forbidden, errno.ENODEV: Forbidden, errno.ENOTEMPTY: Conflict, errno.EEXIST: Conflict,
+    errno.EBUSY: Conflict, errno.ENOSPC: LimitReached, errno.EDQUOT: LimitReached, errno.EFBIG: LimitReached,
+    errno.EMLINK: LimitReached, errno.EMFILE: LimitReached, errno.ENFILE: LimitReached,
+}
+
+
+def file_error(e: AgentError, path: str, op: str = "") -> SandgateError:
     """The agent's error kinds, as the taxonomy's."""
     text = str(e).split(": ", 1)[-1]
     if e.code == "FileNotFoundError":
@@ -473,10 +486,23 @@ def file_error(e: AgentError, path: str) -> SandgateError:
         return BadRequest(text, code=e.code)
     if e.code == "ValueError":  # a path the agent cannot use (a NUL byte, say): the caller's, not a 500
         return BadRequest(f"bad path {path!r}: {text}")
+    if e.code == "AnswerTooLarge":  # past the agent protocol's frame (protocol.md)
+        if op == "file_list":
+            return LimitReached(f"the listing of {path or 'the workspace'!r} is over the agent protocol's 1 MiB for "
+                                "one listing (about 10,000 entries): list its subdirectories instead")
+        return LimitReached(f"{path!r} is over the agent protocol's 256 MiB for one file: read it in a cell")
     if e.code == "stream":
         return Unavailable(f"the sandbox's agent is unreachable: {e}")
     if "No space left" in text:
         return LimitReached(f"the sandbox's workspace is full: {text}")
+    found = ERRNO.search(str(e))
+    if found and int(found.group(1)) in BY_ERRNO:
+        number = int(found.group(1))
+        name = errno.errorcode.get(number, str(number))
+        if number == errno.ENAMETOOLONG:
+            return BadRequest(f"a name in {path[:100]!r}{'...' if len(path) > 100 else ''} is longer than {NAME_MAX} "
+                              f"bytes, the file system's limit ({name})", code="bad_request")
+        return BY_ERRNO[number](f"{path!r}: {found.group(2).strip()} ({name})")
     return SandgateError(f"{e.code}: {text}")
 
 
