@@ -52,6 +52,7 @@ def cmd_serve(args) -> int:
         logging.getLogger("sandgate").warning("the token is empty: authentication is OFF")
     if generated:
         settings.token = secrets.token_urlsafe(24)
+    logformat.add_secret(settings.token)  # redacted from every log line, whatever carries it
     if settings.default_driver == "gvisor" and not images.is_built(settings.home):
         try:
             images.build(settings.home)

@@ -12,6 +12,14 @@ import time
 import uuid
 from typing import Optional
 
+# Credentials a log line can carry, wherever it comes from (tornado's access, general and application
+# loggers quote the request's URL; an exception's text can too): query values named token, access_token
+# or api_key, a tenant's token (sgt.<name>.<secret>), an E2B-shaped key, and the serve token itself.
+SECRET_QUERY = re.compile(r"([?&](?:token|access_token|api_key)=)[^&\s'\"#]*", re.I)
+TENANT_TOKEN = re.compile(r"\bsgt\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
+E2B_KEY = re.compile(r"\be2b_[0-9a-f]{8,}")
+REDACTED = "[redacted]"
+_secrets: set = set()  # literal values (the serve token): add_secret
 SANDBOX = re.compile(r"\bsandbox ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\b")
 TENANT = re.compile(r"\btenant ([A-Za-z0-9_.-]+)\b")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -26,6 +34,38 @@ def new_request_id(given: Optional[str]) -> str:
     return rid
 
 
+def add_secret(value: Optional[str]) -> None:
+    """A value never to be logged as it is (the serve token), whatever carries it."""
+    if value:
+        _secrets.add(value)
+
+
+def redact(text: str) -> str:
+    text = SECRET_QUERY.sub(r"\1" + REDACTED, text)
+    text = TENANT_TOKEN.sub(REDACTED, E2B_KEY.sub(REDACTED, text))
+    for value in _secrets:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+class RedactSecrets(logging.Filter):
+    """On every root handler (``setup``): each record's message, and its traceback, redacted before
+    any formatter sees it, so no logger (tornado's, sandgate's, a library's) writes a credential."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
@@ -38,8 +78,8 @@ class JsonFormatter(logging.Formatter):
         rid = request_id.get()
         if rid:
             line["request"] = rid
-        if record.exc_info:
-            line["traceback"] = self.formatException(record.exc_info)
+        if record.exc_info or record.exc_text:  # exc_text: the traceback as RedactSecrets left it
+            line["traceback"] = record.exc_text or self.formatException(record.exc_info)
         return json.dumps(line)
 
 
@@ -51,3 +91,5 @@ def setup(level: str, fmt: str) -> None:
     else:
         logging.basicConfig(level=level.upper(), format="[%(levelname).1s %(asctime)s %(name)s] %(message)s",
                             datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactSecrets())

@@ -614,7 +614,7 @@ class Workspace:
         with os.fdopen(fd, "rb") as f:
             data = f.read(P.MAX_PAYLOAD + 1)
         if len(data) > P.MAX_PAYLOAD:
-            raise ValueError("file is larger than the protocol's payload limit")
+            raise P.ProtocolError(f"{path!r} is larger than a frame's payload ({P.MAX_PAYLOAD >> 20} MiB)")
         return data
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
@@ -636,7 +636,8 @@ class Workspace:
             # Written to a temporary name and renamed: readers never see half a
             # file, and the rename replaces whatever entry is there by then
             # (even a symlink swapped in) without following it.
-            tmp = f"{name}.sandgate-{uuid.uuid4().hex[:8]}"
+            # Not derived from the name: a name near the file system's 255-byte limit would push it past.
+            tmp = f".sandgate-{uuid.uuid4().hex[:16]}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -697,19 +698,30 @@ class Workspace:
     def _rmtree(self, dfd: int, name: str, path: str) -> None:
         """Like shutil.rmtree with dir_fd, but every directory is opened with
         open_at: an entry swapped for a FIFO or a symlink meanwhile fails the
-        delete instead of blocking or being followed."""
-        fd = self.open_at(dfd, name, path, directory=True)
+        delete instead of blocking or being followed. Iterative, with one
+        descriptor per level held: a tree deeper than Python's recursion
+        limit (a cell makes one in a second) is deleted like any other."""
+        stack = [(dfd, name, self.open_at(dfd, name, path, directory=True), None)]
         try:
-            with os.scandir(fd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            for child, is_dir in entries:
-                if is_dir:
-                    self._rmtree(fd, child, path)
-                else:
-                    os.unlink(child, dir_fd=fd)
+            while stack:
+                parent, dname, fd, entries = stack[-1]
+                if entries is None:
+                    with os.scandir(fd) as it:
+                        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                    stack[-1] = (parent, dname, fd, entries)
+                if entries:
+                    child, is_dir = entries.pop()
+                    if is_dir:
+                        stack.append((fd, child, self.open_at(fd, child, path, directory=True), None))
+                    else:
+                        os.unlink(child, dir_fd=fd)
+                    continue
+                stack.pop()
+                os.close(fd)
+                os.rmdir(dname, dir_fd=parent)
         finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=dfd)
+            for _, _, fd, _ in stack:
+                os.close(fd)
 
     def run(self, fn, path: str, *args):
         """One file operation as the sandbox user. What that user may not do
@@ -994,10 +1006,12 @@ class Agent:
                 raise ValueError(f"unknown op {req.op!r}")
             result, data = await getattr(self, "op_" + req.op)(model(**req.args), payload)
             resp = P.ResponseFrame(id=req.id, ok=True, result=result)
+            frame = P.encode(resp, data)
+        except P.ProtocolError as e:  # an answer past the frame's bounds (a listing of 20,000 long names)
+            frame = P.encode(P.ResponseFrame(id=req.id, ok=False, error=f"AnswerTooLarge: {req.op}: {e}"))
         except Exception as e:
-            resp = P.ResponseFrame(id=req.id, ok=False, error=f"{type(e).__name__}: {e}")
-            data = b""
-        await self.out.send(P.encode(resp, data))
+            frame = P.encode(P.ResponseFrame(id=req.id, ok=False, error=f"{type(e).__name__}: {e}"))
+        await self.out.send(frame)
 
     async def op_ping(self, a, _):
         alive = self.kernel.proc is not None and self.kernel.proc.returncode is None

@@ -350,6 +350,14 @@ def test_a_sandbox_that_is_not_the_shims_child_is_watched_until_it_exits(tmp_pat
             proc.wait()
 
 
+def pid_in(path: Path) -> str:
+    """The pid a launcher wrote to ``path``; "" until it has (no file yet, or opened but not written)."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 def gone(pid: int) -> bool:
     """Not running: exited (a zombie init has yet to reap counts) or never there."""
     try:
@@ -363,7 +371,8 @@ def test_when_the_sandbox_ends_the_rest_is_ended_and_the_cleanup_runs(tmp_path):
     try:
         s = r.connect()
         s.sendall(frame(b"exit", b"5"))
-        gofer = int((tmp_path / "sandbox.pid.gofer").read_text())
+        # The shim listens before its launcher has run: the launcher writes this file once it does.
+        gofer = int(wait_for(lambda: pid_in(tmp_path / "sandbox.pid.gofer"), timeout=30))
         assert r.proc.wait(timeout=60) == 5  # within the 5 s it gives the gofer, then killed
         assert gone(gofer)  # not left to init
         listed = (tmp_path / "cleaned-up").read_text()  # the cleanup ran before the shim exited...

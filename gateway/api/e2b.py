@@ -37,12 +37,12 @@ import zlib
 from typing import Dict, List, Optional
 from urllib.parse import parse_qsl
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tornado import iostream, web
 
 from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError
 from ..core.messages import iso, iso_epoch, utcnow
-from ..core.service import MAX_TTL, StartRequest
+from ..core.service import MAX_LABEL_VALUE, MAX_LABELS, MAX_TTL, StartRequest, check_labels
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
@@ -58,6 +58,10 @@ DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
 TEMPLATE_LABEL = "e2b.template"
 WORKSPACE = "/workspace"
 DEFAULT_CONTEXT = "python"  # the kernel: one per sandbox
+# One ListDir: each directory is one agent request, so both bound how long it takes.
+MAX_LIST_DEPTH = 32
+MAX_LIST_DIRS = 1000
+MAX_LIST_ENTRIES = 20_000
 EXECUTE_TIMEOUT = 3600.0  # the SDK bounds a run on its side (run_code timeout, 300 s by default)
 
 
@@ -73,13 +77,16 @@ class E2BModel(BaseModel):
 
 
 class NewSandbox(E2BModel):
-    templateID: str = DEFAULT_TEMPLATE
+    templateID: str = Field(DEFAULT_TEMPLATE, max_length=MAX_LABEL_VALUE)  # kept as a label
     timeout: Optional[int] = Field(None, ge=0)
-    metadata: Dict[str, str] = {}
+    metadata: Dict[str, str] = {}  # labels, beside the template's own
     envVars: Dict[str, str] = {}
     autoPause: Optional[bool] = None
     allow_internet_access: Optional[bool] = None
     secure: Optional[bool] = None
+
+    _metadata = field_validator("metadata", mode="before")(
+        classmethod(lambda cls, v: check_labels(v, "metadata", MAX_LABELS - 1)))
 
 
 class TimeoutBody(E2BModel):
@@ -498,13 +505,20 @@ CONNECT_CODES = {400: "invalid_argument", 401: "unauthenticated", 403: "permissi
                  409: "failed_precondition", 429: "resource_exhausted", 501: "unimplemented", 503: "unavailable"}
 
 
+def rfc3339(mtime: float) -> str:
+    # A cell sets any mtime it likes (os.utime): one outside datetime's years is shown at its bound.
+    try:
+        t = dt.datetime.fromtimestamp(mtime, dt.timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        t = dt.datetime.max if mtime > 0 else dt.datetime.min
+    return f"{t.year:04d}" + t.strftime("-%m-%dT%H:%M:%S.%fZ")
+
+
 def entry_json(rel_dir: str, e: dict) -> dict:
     rel = posixpath.join(rel_dir, e["name"]) if rel_dir else e["name"]
     kind = {"directory": "FILE_TYPE_DIRECTORY", "file": "FILE_TYPE_FILE"}.get(e["type"], "FILE_TYPE_FILE")
     return {"name": e["name"], "type": kind, "path": sandbox_path(rel), "size": str(e.get("size", 0)),
-            "isSymlink": e["type"] == "symlink",
-            "modifiedTime": dt.datetime.fromtimestamp(e.get("mtime", 0), dt.timezone.utc)
-            .strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+            "isSymlink": e["type"] == "symlink", "modifiedTime": rfc3339(e.get("mtime", 0))}
 
 
 class RPCHandler(SandboxCallHandler):
@@ -524,6 +538,9 @@ class RPCHandler(SandboxCallHandler):
                               "get_info, remove, read and write are; commands, pty, make_dir, rename and watch are not")
         if method == "ListDir":
             req = self.e2b_body(ListDirRequest)
+            if req.depth > MAX_LIST_DEPTH:
+                raise BadRequest(f"ListDir depth {req.depth} is above Sandgate's limit of {MAX_LIST_DEPTH}: list a "
+                                 "subdirectory for what is deeper")
             rel = workspace_path(req.path)
             entries = await self.list_tree(rel, max(1, req.depth or 1))
             return self.reply({"entries": entries})
@@ -543,11 +560,30 @@ class RPCHandler(SandboxCallHandler):
         raise NotFound(f"No such file: {sandbox_path(rel)}")
 
     async def list_tree(self, rel: str, depth: int) -> List[dict]:
-        out = []
-        for e in (await self.service.list_files(self.sid, rel, self.who))["entries"]:
-            out.append(entry_json(rel, e))
-            if e["type"] == "directory" and depth > 1:
-                out += await self.list_tree(posixpath.join(rel, e["name"]) if rel else e["name"], depth - 1)
+        """Entries to ``depth`` levels, each directory's right after it (as envd lists them). Iterative and
+        bounded: one agent request per directory, at most MAX_LIST_DIRS of them (a deep or wide tree is a
+        400 saying so, not minutes of requests and a RecursionError)."""
+        out: List[dict] = []
+        todo = [(rel, depth, 0)]  # (directory, levels left, where its entries go in out)
+        listed = 0
+        while todo:
+            d, left, at = todo.pop()
+            listed += 1
+            mine, subdirs = [], []
+            for e in (await self.service.list_files(self.sid, d, self.who))["entries"]:
+                mine.append(entry_json(d, e))
+                if e["type"] == "directory" and left > 1:
+                    subdirs.append((posixpath.join(d, e["name"]) if d else e["name"], len(mine)))
+            out[at:at] = mine
+            if len(out) > MAX_LIST_ENTRIES:
+                raise BadRequest(f"ListDir of {sandbox_path(rel)} at depth {depth} has more than {MAX_LIST_ENTRIES} "
+                                 "entries, Sandgate's limit for one listing: ask a smaller depth or a subdirectory")
+            # Each subdirectory's entries go right after it; the last is listed first, so the
+            # positions of those before it stay where they are.
+            todo.extend((sub, left - 1, at + pos) for sub, pos in subdirs)
+            if listed + len(todo) > MAX_LIST_DIRS:  # known as soon as they are seen, not 1000 requests later
+                raise BadRequest(f"ListDir of {sandbox_path(rel)} at depth {depth} reaches more than {MAX_LIST_DIRS} "
+                                 "directories, Sandgate's limit for one listing: ask a smaller depth or a subdirectory")
         return out
 
 

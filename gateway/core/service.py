@@ -9,6 +9,7 @@ which each front end maps once (api/base.py for HTTP).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import re
@@ -16,7 +17,7 @@ import time
 import uuid
 from typing import Awaitable, Callable, Dict, List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..agent_link import AgentError
 from ..checkpoints import Checkpoint, StoreQuota
@@ -39,6 +40,29 @@ log = logging.getLogger("sandgate.service")
 # -- request models (the edge validates; the core trusts) ---------------------
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_TTL = 10 * 365 * 86400  # beyond any ceiling an operator sets; keeps expiry a real date
+# Labels (E2B's metadata) are kept in every record, listed with every sandbox and matched by E2B's
+# list filter: a handful of short strings, bounded so that no caller can make them megabytes.
+MAX_LABELS = 64
+MAX_LABEL_KEY = 128  # characters
+MAX_LABEL_VALUE = 1024
+
+
+def check_labels(labels: object, field: str = "labels", most: int = MAX_LABELS) -> object:
+    """Count and sizes, checked before the types so that a refusal never quotes a huge key."""
+    if not isinstance(labels, dict):
+        return labels  # the type check says what is wrong
+    if len(labels) > most:
+        raise ValueError(f"at most {most} keys, not {len(labels)}")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_LABEL_KEY:
+            size = len(key) if isinstance(key, str) else "?"
+            raise ValueError(f"a key of {size} characters: {field} keys are 1-{MAX_LABEL_KEY} characters")
+        if isinstance(value, str) and len(value) > MAX_LABEL_VALUE:
+            raise ValueError(f"{key!r} has a value of {len(value)} characters: {field} values are at most "
+                             f"{MAX_LABEL_VALUE} characters")
+    return labels
+
+
 class LimitsRequest(BaseModel):
     """Any subset; the rest are the gateway's defaults."""
 
@@ -56,7 +80,8 @@ class SandboxCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     driver: Optional[str] = Field(None, description="sandbox driver; the server default when omitted")
     env: Dict[str, str] = Field({}, description="KERNEL_* (and allow-listed) variables for the sandbox")
-    labels: Dict[str, str] = {}
+    labels: Dict[str, str] = Field({}, description=f"at most {MAX_LABELS}; keys 1-{MAX_LABEL_KEY} characters, "
+                                                 f"values up to {MAX_LABEL_VALUE}")
     limits: Optional[LimitsRequest] = Field(None, description="any subset; above an operator ceiling is a 400")
     ttl: Optional[float] = Field(None, gt=0, le=MAX_TTL, allow_inf_nan=False,
                                  description="seconds until the sandbox is deleted")
@@ -64,6 +89,9 @@ class SandboxCreate(BaseModel):
     egress: Optional[EgressPolicy] = Field(None, description="what it may reach through the egress proxy; "
                                            "omitted: no network at all (docs/egress.md)")
     secrets: Secrets = Field([], description="headers the proxy adds for it, and placeholders (write-only)")
+
+
+    _labels = field_validator("labels", mode="before")(classmethod(lambda cls, v: check_labels(v)))
 
 
 class StartRequest(SandboxCreate):
@@ -446,7 +474,7 @@ class SandboxService:
             try:
                 return await sb.link.request(op, args, payload)
             except AgentError as e:
-                raise file_error(e, args.get("path", "")) from None
+                raise file_error(e, args.get("path", ""), op) from None
 
     async def list_files(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> dict:
         return (await self._agent(sandbox_id, "file_list", {"path": path}, who=who))[0]
@@ -464,7 +492,19 @@ class SandboxService:
         await self._agent(sandbox_id, "file_delete", {"path": path}, who=who)
 
 
-def file_error(e: AgentError, path: str) -> SandgateError:
+ERRNO = re.compile(r"\[Errno (\d+)\] ([^:]+)")
+NAME_MAX = 255  # bytes in one name: Linux's file systems' limit (ext4, gVisor's tmpfs)
+# The agent's OSErrors by errno ("[Errno N] text"; the agent of any version says it so): what in the
+# request, or in the workspace's state, the caller has to change. None of them is a 500.
+BY_ERRNO = {
+    errno.ENAMETOOLONG: BadRequest, errno.EINVAL: BadRequest, errno.ELOOP: Forbidden, errno.EROFS: Forbidden,
+    errno.ENXIO: Forbidden, errno.ENODEV: Forbidden, errno.ENOTEMPTY: Conflict, errno.EEXIST: Conflict,
+    errno.EBUSY: Conflict, errno.ENOSPC: LimitReached, errno.EDQUOT: LimitReached, errno.EFBIG: LimitReached,
+    errno.EMLINK: LimitReached, errno.EMFILE: LimitReached, errno.ENFILE: LimitReached,
+}
+
+
+def file_error(e: AgentError, path: str, op: str = "") -> SandgateError:
     """The agent's error kinds, as the taxonomy's."""
     text = str(e).split(": ", 1)[-1]
     if e.code == "FileNotFoundError":
@@ -475,10 +515,23 @@ def file_error(e: AgentError, path: str) -> SandgateError:
         return BadRequest(text, code=e.code)
     if e.code == "ValueError":  # a path the agent cannot use (a NUL byte, say): the caller's, not a 500
         return BadRequest(f"bad path {path!r}: {text}")
+    if e.code == "AnswerTooLarge":  # past the agent protocol's frame (protocol.md)
+        if op == "file_list":
+            return LimitReached(f"the listing of {path or 'the workspace'!r} is over the agent protocol's 1 MiB for "
+                                "one listing (about 10,000 entries): list its subdirectories instead")
+        return LimitReached(f"{path!r} is over the agent protocol's 256 MiB for one file: read it in a cell")
     if e.code == "stream":
         return Unavailable(f"the sandbox's agent is unreachable: {e}")
     if "No space left" in text:
         return LimitReached(f"the sandbox's workspace is full: {text}")
+    found = ERRNO.search(str(e))
+    if found and int(found.group(1)) in BY_ERRNO:
+        number = int(found.group(1))
+        name = errno.errorcode.get(number, str(number))
+        if number == errno.ENAMETOOLONG:
+            return BadRequest(f"a name in {path[:100]!r}{'...' if len(path) > 100 else ''} is longer than {NAME_MAX} "
+                              f"bytes, the file system's limit ({name})", code="bad_request")
+        return BY_ERRNO[number](f"{path!r}: {found.group(2).strip()} ({name})")
     return SandgateError(f"{e.code}: {text}")
 
 
