@@ -487,7 +487,12 @@ class Sandbox:
             await self._reopen_egress(egress)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            why = await self._runs_on()
+            if why is None:
+                raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            await self.teardown()
+            await self.to(State.DEAD, reason=f"checkpoint failed and the sandbox died with it: {e}; {why}")
+            raise Unavailable(f"checkpoint of sandbox {self.id} failed: {self.record.reason}") from None
         return egress
 
     async def _unpause(self, image: Path, egress: Optional[dict], after: str) -> None:
@@ -513,29 +518,63 @@ class Sandbox:
         try:
             await self.driver.checkpoint(self.runtime, image_dir)
         except BaseException as e:
+            why = None
             if self.runtime and self.runtime.running:
                 if self.runtime.reader is not self.link.reader:
                     # The driver had to reconnect to the agent (Firecracker resets
                     # vsock on a snapshot): the link moves to the new stream.
                     await self.link.close()
                     self.link = self._link(self.runtime)
-                    await self.link.request("reconnect", reconnect_args(egress), timeout=30)
+                    try:
+                        await self.link.request("reconnect", reconnect_args(egress), timeout=30)
+                    except AgentError as gone:
+                        why = f"its agent did not reconnect: {gone}"
                 else:
                     await self._reopen_egress(egress)
-                self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
                 if isinstance(e, asyncio.CancelledError):
+                    self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
                     raise
-                raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+                why = why or await self._runs_on()
+                if why is None:
+                    self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
+                    raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            else:
+                why = self.runtime.failure() if self.runtime else "no runtime"
             await self.teardown()
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise _Stopped(f"checkpoint failed after the sandbox stopped: {e}") from None
+            raise _Stopped(f"checkpoint failed and the sandbox died with it: {e}; {why}") from None
         old = self.link
         try:  # frames the agent wrote before it froze are still in the pipe
             await asyncio.wait_for(asyncio.shield(old.closed), 10)
         except asyncio.TimeoutError:
             pass
         await self.teardown()
+
+    async def _runs_on(self) -> Optional[str]:
+        """After a checkpoint the driver failed: None if the sandbox really runs on (its
+        runtime is up and its agent answers), else why not. A runsc can fail a checkpoint
+        and kill its sandbox with it (one io_uring descriptor did: issue 29, finding 6),
+        its shim not yet gone when the error comes back: the answer must say which."""
+        runtime, link = self.runtime, self.link
+        if runtime is None or link is None:
+            return "no runtime"
+        exited = asyncio.ensure_future(runtime.wait())
+        ping = asyncio.ensure_future(link.request("ping", timeout=30))
+        try:
+            await asyncio.wait({exited, ping}, return_when=asyncio.FIRST_COMPLETED)
+            if ping.done() and not ping.exception() and runtime.running:
+                return None
+            if not exited.done():  # a dying runtime closes its stream first: its last words follow
+                await asyncio.wait({exited}, timeout=2)
+            if exited.done():
+                return runtime.failure()
+            return f"its agent no longer answers ({ping.exception() if ping.done() else 'no answer'})"
+        finally:
+            for f in (exited, ping):
+                f.cancel()
+            if ping.done() and not ping.cancelled():
+                ping.exception()  # retrieved: a failed ping is this answer's, not a loose end
 
     async def _reopen_egress(self, egress: Optional[dict]) -> None:
         """A checkpoint that did not happen: the listener opens again."""
