@@ -35,7 +35,7 @@ from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, NotFound, SetupFailed, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -198,6 +198,11 @@ class Sandbox:
         """For callbacks that cannot wait (the runtime died): memory now, store soon."""
         self._set(new, **changes)
         asyncio.ensure_future(self.save())
+
+    def _not_deleted(self) -> None:
+        """A call that came during a DELETE, or waited for one, finds nothing: 404, as after it."""
+        if self.state == State.DELETED:
+            raise NotFound(f"Sandbox does not exist: {self.id}")
 
     def _conflict(self, hint: str = "") -> Conflict:
         """This state cannot serve the request: 409, naming the state and why."""
@@ -407,9 +412,11 @@ class Sandbox:
                 except AgentError as e:
                     raise Unavailable(f"sandbox {self.id}: its agent could not change its egress: {e}") from None
 
-    async def teardown(self) -> None:
-        """Stop the runtime, if any; files and record stay."""
-        if self.state == State.FROZEN and self.runtime:  # not every runtime kills a frozen sandbox cleanly
+    async def teardown(self, frozen: Optional[bool] = None) -> None:
+        """Stop the runtime, if any; files and record stay. ``frozen``: whether the
+        runtime is frozen, where the state no longer says (a delete)."""
+        if (self.state == State.FROZEN if frozen is None else frozen) and self.runtime:
+            # not every runtime kills a frozen sandbox cleanly
             try:
                 await self.driver.thaw(self.runtime)
             except SandboxError:
@@ -602,6 +609,7 @@ class Sandbox:
         """Called with the lock held: make sure it is running (resume a paused
         or frozen one); Conflict if it cannot serve, naming the state. Once the
         gateway is shutting down nothing is woken (its pause would be undone)."""
+        self._not_deleted()
         if self.manager.stopping and not shutdown:
             raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
         if self.state in states.WAKES:
@@ -730,7 +738,9 @@ class Sandbox:
         log.info("sandbox %s paused (state on disk, %d B)", self.id, dir_size(image))
 
     async def resume(self) -> None:
+        self._not_deleted()
         async with self.lock:
+            self._not_deleted()  # deleted while this waited: not a 200 "deleted"
             if self.manager.stopping:
                 raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
             if self.state in states.WAKES:
@@ -768,10 +778,12 @@ class Sandbox:
             # the next call tries again; the reason stays on the sandbox meanwhile.
             await self.to(State.PAUSED, reason=str(e))
             raise
-        if consume:
-            shutil.rmtree(image, ignore_errors=True)
+        # Running (with its runtime) in the store before the image goes: a gateway killed
+        # in between finds either the image (paused again) or the runtime (adopted).
         await self.to(State.RUNNING, paused_image=None, pause_mode=None, resume_from=None,
                       reason=None if not r.resume_from else r.reason)
+        if consume:
+            shutil.rmtree(image, ignore_errors=True)
         if r.resume_from:  # clients learn what the recovery cost them, on the kernel's own channel
             self.fanout.broadcast("iopub", message("stream", {"name": "stderr", "text": f"[sandgate: {r.reason}]\n"}))
             self.fanout.broadcast("iopub", status_message("idle"))
@@ -800,6 +812,7 @@ class Sandbox:
                 pass
         if self.state in states.WAKES:
             return  # a paused kernel runs nothing
+        self._not_deleted()
         if self.state != State.RUNNING or not self.link:
             raise self._conflict()
         try:
@@ -810,7 +823,9 @@ class Sandbox:
     async def restart(self) -> None:
         """Restart ipykernel in its runtime; a dead runtime is created anew
         over the same workspace, so files survive either way."""
+        self._not_deleted()
         async with self.lock:
+            self._not_deleted()  # deleted while this waited
             if self.state in states.WAKES:
                 await self._resume()
             in_place = self.state == State.RUNNING and self.link and not self.link.closed.done()
@@ -841,10 +856,17 @@ class Sandbox:
 
     async def delete(self) -> None:
         async with self.lock:
-            await self.teardown()
+            if self.state == State.DELETED:
+                return  # another DELETE, which this one waited for, did it
+            if self.manager.sandboxes.get(self.id) is not self:
+                raise NotFound(f"Sandbox does not exist: {self.id}")  # its start failed meanwhile
+            frozen = self.state == State.FROZEN
             try:
-                if self.state != State.DELETED:
-                    await self.to(State.DELETED)
+                # The record goes first: a gateway killed from here on leaves nothing that names
+                # this sandbox, and the next one reaps its runtime and files as leftovers
+                # (manager.recover), where the record would have brought it back dead.
+                await self.to(State.DELETED)
+                await self.teardown(frozen=frozen)
             finally:  # files next: a failure here is logged, and the next start sweeps what is left
                 try:
                     await self.ws.delete()
