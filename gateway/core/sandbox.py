@@ -1026,10 +1026,12 @@ class Sandbox:
         parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
         collector = Collector(session)
         self.fanout.attach(collector)
-        outputs, reply, idle, status = [], None, False, "ok"
+        outputs, reply, idle, status, paused = [], None, False, "ok", None
         kept, cap, truncated = 0, self.manager.settings.execute_output_mb << 20, False
         try:
             self.send("shell", parts, header)
+            # The collector stays attached through a checkpoint, pause and resume: a cell
+            # captured by a pause runs on once the sandbox resumes, and its output comes here.
             deadline = time.monotonic() + timeout
             while not (reply and idle):
                 remaining = deadline - time.monotonic()
@@ -1038,8 +1040,13 @@ class Sandbox:
                         break  # interrupted, and still no reply: give up waiting
                     status = "timeout"
                     try:
-                        await self.interrupt()
-                    except (Conflict, Unavailable):
+                        await self.interrupt()  # waits for a pause in flight, which interrupts nothing
+                    except (Conflict, Unavailable, NotFound):
+                        break
+                    if self.state in states.WAKES:
+                        # Paused with the cell inside: nothing runs to interrupt, and waiting
+                        # longer would not end it. Answered now, saying where the cell is.
+                        paused = self.record.pause_mode or "disk"
                         break
                     # Wait for the interrupted cell to end, or ipykernel would
                     # abort the next request as part of the failed cell's queue.
@@ -1081,6 +1088,12 @@ class Sandbox:
             error = output_of("error", reply)  # e.g. DeadKernelError: in the reply only
         if error is None and reply and reply.get("status") == "aborted":
             error = output_of("error", {"ename": "Aborted", "evalue": ABORTED})
+        if error is None and paused:
+            error = output_of("error", {"ename": "SandboxPaused", "evalue": (
+                f"sandbox {self.id} was paused ({'in memory' if paused == 'memory' else 'to disk'}) while this cell "
+                f"ran and is still paused at the call's timeout ({timeout:g} s): the cell was not interrupted; it is "
+                "kept with the sandbox and runs on when it resumes, its output then going to the kernel's "
+                "websocket clients")})
         return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
                 "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
                 "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),
