@@ -379,13 +379,11 @@ class Sandbox:
 
     async def change_egress(self, policy: EgressPolicy) -> None:
         """A new policy while it lives (PATCH .../egress): the proxy checks every
-        request from now on against it; a sandbox that had none gets its listener."""
-        self.record = self.record.model_copy(update={"egress": policy})
-        self.publish_egress()
-        if self.record.egress_port is None:
-            await self.set_egress(DEFAULT_PORT)
-        else:
-            await self.save()
+        request from now on against it; a sandbox that had none gets its listener.
+        All of it or nothing: see _change_egress."""
+        async with self.lock:
+            port = DEFAULT_PORT if self.record.egress_port is None else self.record.egress_port
+            await self._change_egress(egress=policy, egress_port=port)
 
     async def _apply_egress(self) -> None:
         """The agent's listener and proxy environment to match the record."""
@@ -400,17 +398,35 @@ class Sandbox:
         resume if it is paused; kept in the record through checkpoints and
         restarts. Without ``manager.egress`` set, nothing is opened."""
         async with self.lock:
-            if self.state in (State.DEAD, State.DELETED):
-                raise self._conflict()
-            self.record = self.record.model_copy(update={"egress_port": port})
-            await self.save()
-            if self.state == State.FROZEN:
-                await self._resume()
-            if self.state == State.RUNNING and self.link:
-                try:
+            await self._change_egress(egress_port=port)
+
+    async def _change_egress(self, **changes) -> None:
+        """With the lock held: the record's egress fields changed, the proxy told, and the
+        agent's listener made to match, all of it or nothing: a dead sandbox is a 409 (a
+        deleted one a 404) and a listener the agent cannot open (a cell holding its port,
+        say) a 503 that leaves record, proxy and listener as they were."""
+        self._not_deleted()
+        if self.state == State.DEAD:
+            raise self._conflict("; restart it first")
+        old = {k: getattr(self.record, k) for k in changes}
+        listener = changes.get("egress_port", old.get("egress_port")) != self.record.egress_port
+        if listener and self.state == State.FROZEN:
+            await self._resume()  # thawed first: its agent opens or closes the listener now
+        self.record = self.record.model_copy(update=changes)
+        self.publish_egress()  # before the listener opens: its first connection finds the policy
+        if listener and self.state == State.RUNNING and self.link:
+            try:
+                await self._apply_egress()
+            except AgentError as e:
+                self.record = self.record.model_copy(update=old)
+                self.publish_egress()
+                try:  # the agent's side back as it was, as far as it goes
                     await self._apply_egress()
-                except AgentError as e:
-                    raise Unavailable(f"sandbox {self.id}: its agent could not change its egress: {e}") from None
+                except AgentError:
+                    pass
+                raise Unavailable(f"sandbox {self.id}: its agent could not change its egress, which is left as "
+                                  f"it was: {e}") from None
+        await self.save()
 
     async def teardown(self, frozen: Optional[bool] = None) -> None:
         """Stop the runtime, if any; files and record stay. ``frozen``: whether the
