@@ -507,11 +507,12 @@ class Sandbox:
         try:
             await self.driver.checkpoint_in_place(self.runtime, image_dir)
         except BaseException as e:
-            await self._reopen_egress(egress)
             if isinstance(e, asyncio.CancelledError):
+                await self._reopen_egress(egress)
                 raise
             why = await self._runs_on()
             if why is None:
+                await self._reopen_egress(egress)
                 raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
             await self.teardown()
             await self.to(State.DEAD, reason=f"checkpoint failed and the sandbox died with it: {e}; {why}")
@@ -541,7 +542,7 @@ class Sandbox:
         try:
             await self.driver.checkpoint(self.runtime, image_dir)
         except BaseException as e:
-            why = None
+            why, reconnected = None, False
             if self.runtime and self.runtime.running:
                 if self.runtime.reader is not self.link.reader:
                     # The driver had to reconnect to the agent (Firecracker resets
@@ -550,16 +551,17 @@ class Sandbox:
                     self.link = self._link(self.runtime)
                     try:
                         await self.link.request("reconnect", reconnect_args(egress), timeout=30)
+                        reconnected = True  # its egress listener too
                     except AgentError as gone:
                         why = f"its agent did not reconnect: {gone}"
-                else:
-                    await self._reopen_egress(egress)
-                if isinstance(e, asyncio.CancelledError):
-                    self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
-                    raise
-                why = why or await self._runs_on()
+                if not isinstance(e, asyncio.CancelledError):
+                    why = why or await self._runs_on()
                 if why is None:
+                    if not reconnected:
+                        await self._reopen_egress(egress)
                     self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
                     raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
             else:
                 why = self.runtime.failure() if self.runtime else "no runtime"
