@@ -525,7 +525,10 @@ class GVisorDriver(Driver):
         code, out = await self.runsc("checkpoint", "--leave-running", *self._image_args(image_dir), sandbox.id)
         if code != 0:
             if sandbox.running:
-                await self.unpause(sandbox)
+                try:
+                    await self.unpause(sandbox)
+                except SandboxError as e:  # the checkpoint's error is the one to report; the core checks the rest
+                    log.warning("sandbox %s: not resumed after its failed checkpoint: %s", sandbox.id, e)
             raise SandboxError(f"runsc checkpoint failed: {runsc_error(out)}")
 
     async def unpause(self, sandbox: Sandbox) -> None:
