@@ -35,12 +35,14 @@ from sandgate.drivers.base import socket_dir
 
 RUNSC = "/usr/bin/runsc"
 WRAPPER = """#!/bin/bash
-# runsc, except that a checkpoint, while {marker} exists, kills its sandbox and fails
-# (the shape of this runsc's death by io_uring: the sandbox is gone, runsc says why).
+# runsc, except that a checkpoint of the runtime {marker} names kills that sandbox (SIGKILL to its
+# Sentry, as a panic would end it) and fails: the shape of this runsc's death by io_uring.
 args=("$@")
 for i in "${{!args[@]}}"; do
-  if [ "${{args[$i]}}" = checkpoint ] && [ "${{args[$((i+1))]}}" != --help ] && rm "{marker}" 2>/dev/null; then
-    "{runsc}" "${{args[@]:0:$i}}" kill "${{args[-1]}}" KILL
+  if [ "${{args[$i]}}" = checkpoint ] && [ "$(cat "{marker}" 2>/dev/null)" = "${{args[-1]}}" ]; then
+    rm -f "{marker}"
+    pid=$("{runsc}" "${{args[@]:0:$i}}" state "${{args[-1]}}" | python3 -c 'import json, sys; print(json.load(sys.stdin)["pid"])')
+    kill -KILL "$pid"
     echo "panic: test: the sandbox died in its checkpoint" >&2
     exit 1
   fi
@@ -149,7 +151,7 @@ def test_a_checkpoint_that_kills_the_sandbox_answers_that_it_died(gw):
     sid = create(gw)
     try:
         execute(gw, sid, "x = 1")
-        gw.marker.touch()  # the next runsc checkpoint kills the sandbox and fails
+        gw.marker.write_text(state(gw, sid)["runtime_id"])  # its next runsc checkpoint kills it and fails
         r = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
         assert r.status == 503, r.body
         message = r.json()["message"]
