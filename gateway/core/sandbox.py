@@ -409,7 +409,7 @@ class Sandbox:
         if self.state == State.DEAD:
             raise self._conflict("; restart it first")
         old = {k: getattr(self.record, k) for k in changes}
-        listener = changes.get("egress_port", old.get("egress_port")) != self.record.egress_port
+        listener = "egress_port" in changes and changes["egress_port"] != self.record.egress_port
         if listener and self.state == State.FROZEN:
             await self._resume()  # thawed first: its agent opens or closes the listener now
         self.record = self.record.model_copy(update=changes)
