@@ -19,9 +19,11 @@ env and the kernel messages not yet answered (a cell waiting at its directives r
 into image_dir/state.pkl, and stops it. Frozen, the agent reads and sends nothing.
 
 Knobs, per driver: ``delays[op]`` (seconds) and ``gates[op]`` (an asyncio.Event) are awaited
-inside op (create, restore, checkpoint, freeze, thaw), ``entered[op]`` is set on entry;
-``fail[op] = reason`` raises SandboxError(reason) once (a failed checkpoint leaves the sandbox
-running; ``fail["checkpoint_after_stop"]`` stops it first). Counters ``created``, ``restored``;
+inside op (create, restore, checkpoint, freeze, thaw, and a sandbox's destroy), ``entered[op]`` is
+set on entry; ``fail[op] = reason`` raises SandboxError(reason) once (a failed checkpoint leaves the
+sandbox running; ``fail["checkpoint_after_stop"]`` stops it first; ``fail["checkpoint_and_die"]``
+fails it and has the sandbox die just after the error, as a runsc whose Sentry crashed does).
+The agent has no ``egress`` op: asking for one fails. Counters ``created``, ``restored``;
 ``live``: the sandboxes not yet destroyed. ``sandbox.crash(reason)``: exit 137, failure() says why.
 
 Not faked: processes, isolation, limits; unpicklable state across a checkpoint (functions,
@@ -406,6 +408,7 @@ class FakeSandbox(Sandbox):
         self.agent.kill_kernel(exit_code, final)
 
     async def destroy(self) -> None:
+        await self.driver._step("destroy")
         self.stop(137, "destroyed")
         if self.writer:
             self.writer.close()
@@ -468,6 +471,10 @@ class FakeDriver(Driver):
 
     async def checkpoint(self, sandbox: Sandbox, image_dir: Path) -> None:
         agent = self._alive(sandbox).agent
+        if "checkpoint_and_die" in self.fail:  # the error first, the sandbox's death a moment after
+            why = self.fail.pop("checkpoint_and_die")
+            asyncio.get_running_loop().call_soon(sandbox.crash, why)
+            raise SandboxError(f"checkpoint failed: {why}")
         was_frozen = not agent.thawed.is_set()
         agent.thawed.clear()  # like runsc: the sandbox stops where it is, then is saved
         try:

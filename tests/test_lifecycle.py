@@ -517,3 +517,150 @@ async def test_a_checkpoint_is_deleted_only_when_nothing_needs_it(tmp_path):
         await svc.delete_checkpoint(sb.id, c2.id)
     with pytest.raises(Conflict, match="newest checkpoint"):
         await svc.delete_checkpoint(sb.id, c3.id)
+
+
+# -- issue 29: the lifecycle findings (6, 9, 10, 11); end to end in tests/security/test_hostile_lifecycle.py
+@run
+async def test_a_checkpoint_or_pause_that_kills_the_sandbox_says_it_died_not_that_it_runs_on(tmp_path):
+    svc = make(tmp_path)
+    drv = driver_of(svc)
+    for op in (svc.checkpoint, svc.pause):
+        sb = await start(svc)
+        drv.fail["checkpoint_and_die"] = "panic: an io_uring cannot be saved"
+        with pytest.raises(Unavailable) as e:
+            await op(sb.id)
+        assert "runs on" not in str(e.value) and "died" in str(e.value) and "io_uring" in str(e.value)
+        assert sb.state == State.DEAD and "io_uring" in sb.record.reason  # when answered, not later
+        assert (await svc.manager.store.get(sb.id)).state == State.DEAD
+
+
+@run
+async def test_a_resume_or_restart_that_waited_for_a_delete_is_not_found(tmp_path):
+    from sandgate.core.errors import NotFound
+
+    svc = make(tmp_path)
+    sb = await start(svc)
+    drv = driver_of(svc)
+    drv.gates["checkpoint"] = asyncio.Event()
+    pause = asyncio.ensure_future(svc.pause(sb.id))
+    await drv.entered["checkpoint"].wait()  # the pause holds the lock; the rest queue behind it in order
+    delete = asyncio.ensure_future(svc.delete(sb.id))
+    resume = asyncio.ensure_future(svc.resume(sb.id))
+    restart = asyncio.ensure_future(svc.restart(sb.id))
+    await asyncio.sleep(0)
+    drv.gates["checkpoint"].set()
+    await pause
+    await delete
+    for late in (resume, restart):
+        with pytest.raises(NotFound, match=sb.id):
+            await late
+    with pytest.raises(NotFound):
+        await svc.resume(sb.id)
+
+
+@run
+async def test_a_gateway_killed_mid_resume_finds_the_sandbox_paused_with_its_image(tmp_path):
+    svc = make(tmp_path)
+    sb = await start(svc)
+    c = Client(sb)
+    await c.replies([c.execute("x = 41")])
+    await svc.pause(sb.id)
+    drv = driver_of(svc)
+    drv.gates["restore"] = asyncio.Event()
+    resuming = asyncio.ensure_future(svc.resume(sb.id))
+    await drv.entered["restore"].wait()
+    assert (await svc.manager.store.get(sb.id)).state == State.RESUMING
+    again = make(tmp_path)  # SIGKILL here: the next `serve` on the same home
+    await again.manager.recover()
+    back = again.get(sb.id)
+    assert back.state == State.PAUSED and back.record.paused_image and back.record.pause_mode == "disk"
+    c2 = Client(back)
+    got = await c2.replies([c2.execute("x + 1")])
+    assert got[got["order"][0]]["outputs"] == ["42"] and back.state == State.RUNNING
+    assert not (tmp_path / "paused" / sb.id).exists()
+    resuming.cancel()
+    for s in (sb, back):
+        await s.teardown()
+
+
+@run
+async def test_a_gateway_killed_mid_delete_finishes_it_at_the_next_start(tmp_path):
+    from sandgate.core.errors import NotFound
+
+    svc = make(tmp_path)
+    sb, other = await start(svc), await start(svc)
+    cp = await svc.checkpoint(sb.id)
+    drv = driver_of(svc)
+    drv.gates["destroy"] = asyncio.Event()
+    drv.entered["destroy"].clear()  # the checkpoint's stop destroyed the runtime it replaced
+    deleting = asyncio.ensure_future(svc.delete(sb.id))
+    await drv.entered["destroy"].wait()  # mid-teardown
+    again = make(tmp_path)  # SIGKILL here: the next `serve` on the same home
+    await again.manager.recover()
+    with pytest.raises(NotFound):
+        again.get(sb.id)
+    assert [s.id for s in again.list()] == [other.id]
+    assert not (tmp_path / "workspaces" / sb.id).exists() and not (tmp_path / "sandboxes" / sb.id).exists()
+    with pytest.raises(KeyError):
+        again.manager.checkpoints.get(cp.id)  # collected, as the delete would have
+    deleting.cancel()
+    for s in (sb, other, again.get(other.id)):
+        drv.gates.pop("destroy", None)
+        await s.teardown()
+
+
+@run
+async def test_an_execute_waits_across_a_pause_and_says_so_if_still_paused_at_its_timeout(tmp_path):
+    svc = make(tmp_path)
+    sb = await start(svc)
+    drv = driver_of(svc)
+    for mode in ("disk", "memory"):  # paused and resumed within the call's timeout: it gets the output
+        drv.cell_gates[mode] = asyncio.Event()
+        call = asyncio.ensure_future(svc.execute(sb.id, f"#block {mode}\nprint('{mode}')", 20))
+        await drv.at_gate[mode].wait()
+        await svc.pause(sb.id, mode)
+        await svc.resume(sb.id)
+        drv.cell_gates[mode].set()
+        out = await call
+        assert out["status"] == "ok" and out["stdout"] == f"{mode}\n", out
+    drv.cell_gates["kept"] = asyncio.Event()
+    call = asyncio.ensure_future(svc.execute(sb.id, "#block kept\nprint('kept')", 1))
+    await drv.at_gate["kept"].wait()
+    await svc.pause(sb.id)
+    out = await asyncio.wait_for(call, 5)  # at its timeout, not ten seconds after it
+    assert out["status"] == "timeout" and out["error"]["ename"] == "SandboxPaused", out
+    assert "not interrupted" in out["error"]["evalue"] and sb.state == State.PAUSED
+    c = Client(sb)
+    drv.cell_gates["kept"].set()
+    got = await c.replies([c.execute("1 + 1")])  # wakes it; the kept cell ends first
+    assert got[got["order"][0]]["outputs"] == ["2"]
+
+
+@run
+async def test_an_egress_change_that_fails_or_is_refused_changes_nothing(tmp_path):
+    from sandgate.core.tunnel import EgressHook
+    from sandgate.egress.policy import EgressPolicy
+
+    svc = make(tmp_path)
+    published = []
+    svc.manager.egress = EgressHook(connect=None, set_policy=lambda sid, policy, *a: published.append(policy),
+                                    forget=lambda sid: published.append(None))
+    sb = await start(svc)
+    with pytest.raises(Unavailable, match="left as it was"):  # the fake agent cannot open a listener
+        await svc.set_egress(sb.id, EgressPolicy(allow=["example.com"]))
+    assert sb.record.egress is None and sb.record.egress_port is None and published[-1] is None
+    assert (await svc.manager.store.get(sb.id)).egress is None
+    await svc.pause(sb.id)  # paused: applied at its resume
+    await svc.set_egress(sb.id, EgressPolicy(allow=["example.com"]))
+    assert (await svc.manager.store.get(sb.id)).egress.allow == ["example.com"]
+    dead = await start(svc)
+    dead.runtime.crash("gone")
+    while dead.state != State.DEAD:
+        await asyncio.sleep(0.01)
+    for had in (None, EgressPolicy(allow=["kept.example"])):  # without egress, and with it
+        dead.record = dead.record.model_copy(update={"egress": had, "egress_port": had and 3128})
+        await dead.save()
+        with pytest.raises(Conflict, match="dead"):
+            await svc.set_egress(dead.id, EgressPolicy(allow=["example.com"]))
+        dump = lambda p: p and p.model_dump()  # noqa: E731
+        assert dump(dead.record.egress) == dump(had) == dump((await svc.manager.store.get(dead.id)).egress)

@@ -287,6 +287,10 @@ class SandboxManager:
                 pass
             elif rec.state == State.PAUSED and rec.paused_image and not Path(rec.paused_image).is_dir():
                 rec = self._lost(rec, "its paused state is missing from disk")
+            elif rec.state == State.RESUMING and self._resumes_again(rec):
+                # Killed mid-resume: what it was resuming from is whole (the image goes only
+                # once the record says running), so it is paused again, as a failed resume is.
+                rec = rec.model_copy(update={"state": State.PAUSED})
             elif rec.state not in states.AT_REST:
                 rec = self._lost(rec, f"the gateway stopped while it was {rec.state}")
             if not runtime:
@@ -310,14 +314,33 @@ class SandboxManager:
             log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
         # The state directories of adopted runtimes started as pooled sandboxes have the pool's names.
         keep = set(self.sandboxes) | {rt.spec.state_dir.name for rt in adopted.values()}
+        # A paused image is kept only for a record that resumes from it.
+        images = {sb.id for sb in self.sandboxes.values() if sb.state == State.PAUSED and sb.record.paused_image}
         home = self.settings.home
         await reap_mounts(home / "workspaces", keep=self.sandboxes)
-        for leftover in ("sandboxes", "workspaces", "paused"):
+        orphans = 0
+        for leftover, kept in (("sandboxes", keep), ("workspaces", keep), ("paused", images)):
             d = home / leftover
             if d.is_dir():
                 for p in d.iterdir():
-                    if p.name.removesuffix(".img") not in keep:
+                    if p.name.removesuffix(".img") not in kept:
+                        orphans += leftover != "paused"
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if orphans:  # a delete (or a start) the last gateway did not finish: its checkpoints go too
+            await self.gc()
+
+    def _resumes_again(self, rec: SandboxRecord) -> bool:
+        """Whether a record left resuming still has what it resumed from: its paused
+        image, or (no image) the checkpoint it resumes from."""
+        if rec.paused_image:
+            return Path(rec.paused_image).is_dir()
+        if rec.resume_from:
+            try:
+                self.checkpoints.get(rec.resume_from)
+                return True
+            except (KeyError, ValueError, OSError):
+                return False
+        return False
 
     async def hand_off(self, sb: Sandbox) -> Optional[str]:
         """Drain one sandbox off this node: checkpoint it into the shared store

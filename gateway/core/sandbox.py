@@ -35,7 +35,7 @@ from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, QuotaExceeded, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, NotFound, QuotaExceeded, SetupFailed, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -198,6 +198,11 @@ class Sandbox:
         """For callbacks that cannot wait (the runtime died): memory now, store soon."""
         self._set(new, **changes)
         asyncio.ensure_future(self.save())
+
+    def _not_deleted(self) -> None:
+        """A call that came during a DELETE, or waited for one, finds nothing: 404, as after it."""
+        if self.state == State.DELETED:
+            raise NotFound(f"Sandbox does not exist: {self.id}")
 
     def _conflict(self, hint: str = "") -> Conflict:
         """This state cannot serve the request: 409, naming the state and why."""
@@ -374,13 +379,11 @@ class Sandbox:
 
     async def change_egress(self, policy: EgressPolicy) -> None:
         """A new policy while it lives (PATCH .../egress): the proxy checks every
-        request from now on against it; a sandbox that had none gets its listener."""
-        self.record = self.record.model_copy(update={"egress": policy})
-        self.publish_egress()
-        if self.record.egress_port is None:
-            await self.set_egress(DEFAULT_PORT)
-        else:
-            await self.save()
+        request from now on against it; a sandbox that had none gets its listener.
+        All of it or nothing: see _change_egress."""
+        async with self.lock:
+            port = DEFAULT_PORT if self.record.egress_port is None else self.record.egress_port
+            await self._change_egress(egress=policy, egress_port=port)
 
     async def _apply_egress(self) -> None:
         """The agent's listener and proxy environment to match the record."""
@@ -395,21 +398,41 @@ class Sandbox:
         resume if it is paused; kept in the record through checkpoints and
         restarts. Without ``manager.egress`` set, nothing is opened."""
         async with self.lock:
-            if self.state in (State.DEAD, State.DELETED):
-                raise self._conflict()
-            self.record = self.record.model_copy(update={"egress_port": port})
-            await self.save()
-            if self.state == State.FROZEN:
-                await self._resume()
-            if self.state == State.RUNNING and self.link:
-                try:
-                    await self._apply_egress()
-                except AgentError as e:
-                    raise Unavailable(f"sandbox {self.id}: its agent could not change its egress: {e}") from None
+            await self._change_egress(egress_port=port)
 
-    async def teardown(self) -> None:
-        """Stop the runtime, if any; files and record stay."""
-        if self.state == State.FROZEN and self.runtime:  # not every runtime kills a frozen sandbox cleanly
+    async def _change_egress(self, **changes) -> None:
+        """With the lock held: the record's egress fields changed, the proxy told, and the
+        agent's listener made to match, all of it or nothing: a dead sandbox is a 409 (a
+        deleted one a 404) and a listener the agent cannot open (a cell holding its port,
+        say) a 503 that leaves record, proxy and listener as they were."""
+        self._not_deleted()
+        if self.state == State.DEAD:
+            raise self._conflict("; restart it first")
+        old = {k: getattr(self.record, k) for k in changes}
+        listener = "egress_port" in changes and changes["egress_port"] != self.record.egress_port
+        if listener and self.state == State.FROZEN:
+            await self._resume()  # thawed first: its agent opens or closes the listener now
+        self.record = self.record.model_copy(update=changes)
+        self.publish_egress()  # before the listener opens: its first connection finds the policy
+        if listener and self.state == State.RUNNING and self.link:
+            try:
+                await self._apply_egress()
+            except AgentError as e:
+                self.record = self.record.model_copy(update=old)
+                self.publish_egress()
+                try:  # the agent's side back as it was, as far as it goes
+                    await self._apply_egress()
+                except AgentError:
+                    pass
+                raise Unavailable(f"sandbox {self.id}: its agent could not change its egress, which is left as "
+                                  f"it was: {e}") from None
+        await self.save()
+
+    async def teardown(self, frozen: Optional[bool] = None) -> None:
+        """Stop the runtime, if any; files and record stay. ``frozen``: whether the
+        runtime is frozen, where the state no longer says (a delete)."""
+        if (self.state == State.FROZEN if frozen is None else frozen) and self.runtime:
+            # not every runtime kills a frozen sandbox cleanly
             try:
                 await self.driver.thaw(self.runtime)
             except SandboxError:
@@ -484,10 +507,16 @@ class Sandbox:
         try:
             await self.driver.checkpoint_in_place(self.runtime, image_dir)
         except BaseException as e:
-            await self._reopen_egress(egress)
             if isinstance(e, asyncio.CancelledError):
+                await self._reopen_egress(egress)
                 raise
-            raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            why = await self._runs_on()
+            if why is None:
+                await self._reopen_egress(egress)
+                raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            await self.teardown()
+            await self.to(State.DEAD, reason=f"checkpoint failed and the sandbox died with it: {e}; {why}")
+            raise Unavailable(f"checkpoint of sandbox {self.id} failed: {self.record.reason}") from None
         return egress
 
     async def _unpause(self, image: Path, egress: Optional[dict], after: str) -> None:
@@ -513,29 +542,64 @@ class Sandbox:
         try:
             await self.driver.checkpoint(self.runtime, image_dir)
         except BaseException as e:
+            why, reconnected = None, False
             if self.runtime and self.runtime.running:
                 if self.runtime.reader is not self.link.reader:
                     # The driver had to reconnect to the agent (Firecracker resets
                     # vsock on a snapshot): the link moves to the new stream.
                     await self.link.close()
                     self.link = self._link(self.runtime)
-                    await self.link.request("reconnect", reconnect_args(egress), timeout=30)
-                else:
-                    await self._reopen_egress(egress)
-                self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-                raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+                    try:
+                        await self.link.request("reconnect", reconnect_args(egress), timeout=30)
+                        reconnected = True  # its egress listener too
+                    except AgentError as gone:
+                        why = f"its agent did not reconnect: {gone}"
+                if not isinstance(e, asyncio.CancelledError):
+                    why = why or await self._runs_on()
+                if why is None:
+                    if not reconnected:
+                        await self._reopen_egress(egress)
+                    self._watch = asyncio.ensure_future(self._watch_runtime(asyncio.ensure_future(self.runtime.wait())))
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    raise Unavailable(f"checkpoint of sandbox {self.id} failed; it runs on: {e}") from None
+            else:
+                why = self.runtime.failure() if self.runtime else "no runtime"
             await self.teardown()
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise _Stopped(f"checkpoint failed after the sandbox stopped: {e}") from None
+            raise _Stopped(f"checkpoint failed and the sandbox died with it: {e}; {why}") from None
         old = self.link
         try:  # frames the agent wrote before it froze are still in the pipe
             await asyncio.wait_for(asyncio.shield(old.closed), 10)
         except asyncio.TimeoutError:
             pass
         await self.teardown()
+
+    async def _runs_on(self) -> Optional[str]:
+        """After a checkpoint the driver failed: None if the sandbox really runs on (its
+        runtime is up and its agent answers), else why not. A runsc can fail a checkpoint
+        and kill its sandbox with it (one io_uring descriptor did: issue 29, finding 6),
+        its shim not yet gone when the error comes back: the answer must say which."""
+        runtime, link = self.runtime, self.link
+        if runtime is None or link is None:
+            return "no runtime"
+        exited = asyncio.ensure_future(runtime.wait())
+        ping = asyncio.ensure_future(link.request("ping", timeout=30))
+        try:
+            await asyncio.wait({exited, ping}, return_when=asyncio.FIRST_COMPLETED)
+            if ping.done() and not ping.exception() and runtime.running:
+                return None
+            if not exited.done():  # a dying runtime closes its stream first: its last words follow
+                await asyncio.wait({exited}, timeout=2)
+            if exited.done():
+                return runtime.failure()
+            return f"its agent no longer answers ({ping.exception() if ping.done() else 'no answer'})"
+        finally:
+            for f in (exited, ping):
+                f.cancel()
+            if ping.done() and not ping.cancelled():
+                ping.exception()  # retrieved: a failed ping is this answer's, not a loose end
 
     async def _reopen_egress(self, egress: Optional[dict]) -> None:
         """A checkpoint that did not happen: the listener opens again."""
@@ -563,6 +627,7 @@ class Sandbox:
         """Called with the lock held: make sure it is running (resume a paused
         or frozen one); Conflict if it cannot serve, naming the state. Once the
         gateway is shutting down nothing is woken (its pause would be undone)."""
+        self._not_deleted()
         if self.manager.stopping and not shutdown:
             raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
         if self.state in states.WAKES:
@@ -702,7 +767,9 @@ class Sandbox:
         log.info("sandbox %s paused (state on disk, %d B)", self.id, dir_size(image))
 
     async def resume(self) -> None:
+        self._not_deleted()
         async with self.lock:
+            self._not_deleted()  # deleted while this waited: not a 200 "deleted"
             if self.manager.stopping:
                 raise Unavailable("the gateway is shutting down; the sandbox resumes after its restart")
             if self.state in states.WAKES:
@@ -740,10 +807,12 @@ class Sandbox:
             # the next call tries again; the reason stays on the sandbox meanwhile.
             await self.to(State.PAUSED, reason=str(e))
             raise
-        if consume:
-            shutil.rmtree(image, ignore_errors=True)
+        # Running (with its runtime) in the store before the image goes: a gateway killed
+        # in between finds either the image (paused again) or the runtime (adopted).
         await self.to(State.RUNNING, paused_image=None, pause_mode=None, resume_from=None,
                       reason=None if not r.resume_from else r.reason)
+        if consume:
+            shutil.rmtree(image, ignore_errors=True)
         if r.resume_from:  # clients learn what the recovery cost them, on the kernel's own channel
             self.fanout.broadcast("iopub", message("stream", {"name": "stderr", "text": f"[sandgate: {r.reason}]\n"}))
             self.fanout.broadcast("iopub", status_message("idle"))
@@ -772,6 +841,7 @@ class Sandbox:
                 pass
         if self.state in states.WAKES:
             return  # a paused kernel runs nothing
+        self._not_deleted()
         if self.state != State.RUNNING or not self.link:
             raise self._conflict()
         try:
@@ -782,7 +852,9 @@ class Sandbox:
     async def restart(self) -> None:
         """Restart ipykernel in its runtime; a dead runtime is created anew
         over the same workspace, so files survive either way."""
+        self._not_deleted()
         async with self.lock:
+            self._not_deleted()  # deleted while this waited
             if self.state in states.WAKES:
                 await self._resume()
             in_place = self.state == State.RUNNING and self.link and not self.link.closed.done()
@@ -813,10 +885,17 @@ class Sandbox:
 
     async def delete(self) -> None:
         async with self.lock:
-            await self.teardown()
+            if self.state == State.DELETED:
+                return  # another DELETE, which this one waited for, did it
+            if self.manager.sandboxes.get(self.id) is not self:
+                raise NotFound(f"Sandbox does not exist: {self.id}")  # its start failed meanwhile
+            frozen = self.state == State.FROZEN
             try:
-                if self.state != State.DELETED:
-                    await self.to(State.DELETED)
+                # The record goes first: a gateway killed from here on leaves nothing that names
+                # this sandbox, and the next one reaps its runtime and files as leftovers
+                # (manager.recover), where the record would have brought it back dead.
+                await self.to(State.DELETED)
+                await self.teardown(frozen=frozen)
             finally:  # files next: a failure here is logged, and the next start sweeps what is left
                 try:
                     await self.ws.delete()
@@ -976,10 +1055,12 @@ class Sandbox:
         parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
         collector = Collector(session)
         self.fanout.attach(collector)
-        outputs, reply, idle, status = [], None, False, "ok"
+        outputs, reply, idle, status, paused = [], None, False, "ok", None
         kept, cap, truncated = 0, self.manager.settings.execute_output_mb << 20, False
         try:
             self.send("shell", parts, header)
+            # The collector stays attached through a checkpoint, pause and resume: a cell
+            # captured by a pause runs on once the sandbox resumes, and its output comes here.
             deadline = time.monotonic() + timeout
             while not (reply and idle):
                 remaining = deadline - time.monotonic()
@@ -988,8 +1069,13 @@ class Sandbox:
                         break  # interrupted, and still no reply: give up waiting
                     status = "timeout"
                     try:
-                        await self.interrupt()
-                    except (Conflict, Unavailable):
+                        await self.interrupt()  # waits for a pause in flight, which interrupts nothing
+                    except (Conflict, Unavailable, NotFound):
+                        break
+                    if self.state in states.WAKES:
+                        # Paused with the cell inside: nothing runs to interrupt, and waiting
+                        # longer would not end it. Answered now, saying where the cell is.
+                        paused = self.record.pause_mode or "disk"
                         break
                     # Wait for the interrupted cell to end, or ipykernel would
                     # abort the next request as part of the failed cell's queue.
@@ -1031,6 +1117,12 @@ class Sandbox:
             error = output_of("error", reply)  # e.g. DeadKernelError: in the reply only
         if error is None and reply and reply.get("status") == "aborted":
             error = output_of("error", {"ename": "Aborted", "evalue": ABORTED})
+        if error is None and paused:
+            error = output_of("error", {"ename": "SandboxPaused", "evalue": (
+                f"sandbox {self.id} was paused ({'in memory' if paused == 'memory' else 'to disk'}) while this cell "
+                f"ran and is still paused at the call's timeout ({timeout:g} s): the cell was not interrupted; it is "
+                "kept with the sandbox and runs on when it resumes, its output then going to the kernel's "
+                "websocket clients")})
         return {"status": status, "execution_count": (reply or {}).get("execution_count"), "outputs": outputs,
                 "stdout": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stdout"),
                 "stderr": "".join(o["text"] for o in outputs if o["type"] == "stream" and o["name"] == "stderr"),

@@ -117,17 +117,24 @@ def runsc_error(out: str) -> str:
 CLONE_NEW = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
              "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
              "CLONE_NEWNET": 0x40000000}
-EPERM = 1
+EPERM = 1  # (this runsc answers EPERM whatever errnoRet says: tried with ENOSYS)
+# io_uring too: one open io_uring descriptor made this runsc fail its next checkpoint and
+# the sandbox die with it (issue 29 finding 6). Programs that try io_uring (libuv, liburing
+# users) fall back to ordinary system calls when io_uring_setup fails, as Docker's default
+# seccomp profile (EPERM too) has them do.
+IO_URING = ["io_uring_setup", "io_uring_enter", "io_uring_register"]
 
 
 def no_namespaces() -> dict:
+    """The sandbox's OCI seccomp filter: no namespaces and no io_uring (EPERM)."""
     deny = {"action": "SCMP_ACT_ERRNO", "errnoRet": EPERM}
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64"],
         "syscalls": [{"names": ["unshare", "setns"], **deny}]
         + [{"names": ["clone"], **deny, "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
-           for flag in CLONE_NEW.values()],
+           for flag in CLONE_NEW.values()]
+        + [{"names": IO_URING, **deny}],
     }
 
 
@@ -520,7 +527,10 @@ class GVisorDriver(Driver):
         code, out = await self.runsc("checkpoint", "--leave-running", *self._image_args(image_dir), sandbox.id)
         if code != 0:
             if sandbox.running:
-                await self.unpause(sandbox)
+                try:
+                    await self.unpause(sandbox)
+                except SandboxError as e:  # the checkpoint's error is the one to report; the core checks the rest
+                    log.warning("sandbox %s: not resumed after its failed checkpoint: %s", sandbox.id, e)
             raise SandboxError(f"runsc checkpoint failed: {runsc_error(out)}")
 
     async def unpause(self, sandbox: Sandbox) -> None:
