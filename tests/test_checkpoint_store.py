@@ -403,7 +403,10 @@ def test_20k_small_files_in_a_thread_while_the_loop_keeps_ticking(store, ws, tmp
 
     files, took, lag = asyncio.run(main())
     assert len(files) == 20_000
-    assert lag < 0.5, f"the event loop stalled {lag:.2f} s"
+    # On the loop the snapshot would stall it for all of ``took``; off it, the worst tick is the
+    # scheduler's (a loaded 2-core machine has given the loop thread nothing for 0.8 s): a share of
+    # ``took``, not a fixed time.
+    assert lag < max(0.5, took / 3), f"the event loop stalled {lag:.2f} s of a {took:.2f} s snapshot"
     assert len(list((tmp_path / "out").rglob("*.txt"))) == 20_000
     assert blob_files(store) == []
     print(f"20k files: snapshot {took:.2f} s, worst loop lag {lag * 1000:.0f} ms")
