@@ -185,7 +185,19 @@ def encode(header: BaseModel, payload: bytes = b"") -> bytes:
 
 
 def encode_kernel(channel: str, parts: List[bytes], trace: Optional[Dict[str, float]] = None) -> bytes:
-    return encode(KernelFrame(channel=channel, parts=[len(p) for p in parts], trace=trace), b"".join(parts))
+    return kernel_head(channel, parts, trace) + b"".join(parts)
+
+
+def kernel_head(channel: str, parts: List[bytes], trace: Optional[Dict[str, float]] = None) -> bytes:
+    """A kernel frame's prefix and header; the parts follow as they are (not copied into one payload)."""
+    d = dump(KernelFrame(channel=channel, parts=[len(p) for p in parts], trace=trace))
+    if d.get("trace") is None:
+        d.pop("trace", None)
+    h = json.dumps(d, separators=(",", ":")).encode()
+    plen = sum(len(p) for p in parts)
+    if len(h) > MAX_HEADER or plen > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {len(h)} B, payload {plen} B")
+    return PREFIX.pack(len(h), plen) + h
 
 
 def parse_header(raw: bytes) -> Frame:

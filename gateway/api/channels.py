@@ -18,9 +18,9 @@ from typing import List
 from tornado import httpclient, web, websocket
 from tornado.ioloop import IOLoop
 
-from ..core.errors import Conflict, NotFound
+from ..core.errors import Conflict, NotFound, TooLarge
 from ..core.fanout import IopubLimiter
-from ..core.messages import message, status_message
+from ..core.messages import error_reply, message, status_message
 from . import wire
 from .. import trace
 from ..logformat import new_request_id
@@ -125,6 +125,11 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         except Conflict as e:
             log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
             self.deliver("iopub", status_message("dead", header))
+        except TooLarge as e:  # told like a refused request, and the connection stays usable
+            log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
+            if header.get("msg_type") == "execute_request":
+                self.deliver("shell", error_reply(header, "MessageTooLarge", str(e)))
+                self.deliver("iopub", status_message("idle", header))
 
     def deliver(self, channel: str, parts: List[bytes]) -> None:
         if self.ws_connection is None or self.ws_connection.is_closing():

@@ -24,7 +24,6 @@ working directory, /workspace, the only directory the files API reaches.
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import hashlib
 import hmac
 import json
@@ -40,7 +39,7 @@ from urllib.parse import parse_qsl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tornado import iostream, web
 
-from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError
+from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError, TooLarge
 from ..core.messages import iso, iso_epoch, utcnow
 from ..core.service import MAX_TTL, StartRequest
 from ..core.states import State
@@ -480,10 +479,7 @@ class FilesHandler(SandboxCallHandler):
                 raise BadRequest("an octet-stream upload needs ?path=")
             body = self.request.body
             if self.request.headers.get("Content-Encoding", "").lower() == "gzip":  # files.write(gzip=True)
-                try:
-                    body = gzip.decompress(body)
-                except (OSError, EOFError, zlib.error) as e:
-                    raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
+                body = gunzip(body, self.service.settings.max_message_mb << 20)
             uploads = [(path, body)]
         out = []
         for p, data in uploads:
@@ -491,6 +487,33 @@ class FilesHandler(SandboxCallHandler):
             await self.service.write_file(self.sid, rel, data, self.who)
             out.append({"name": posixpath.basename(rel), "type": "file", "path": sandbox_path(rel)})
         self.reply(out)
+
+
+GUNZIP_STEP = 1 << 20
+
+
+def gunzip(body: bytes, limit: int) -> bytes:
+    """A gzip body (one member or several) inflated a step at a time, refused (413) as soon as it
+    inflates past ``limit``: a small body of zeros must not become gigabytes in this process."""
+    out = bytearray()
+    data = body
+    while data:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip's header and trailer, checked
+        try:
+            while data:
+                out += d.decompress(data, GUNZIP_STEP)
+                if len(out) > limit:
+                    raise TooLarge(f"the gzip body inflates past {limit >> 20} MiB, the most a file upload may be "
+                                   "(SANDGATE_MAX_MESSAGE_MB)")
+                data = d.unconsumed_tail
+                if d.eof:
+                    break
+        except zlib.error as e:
+            raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
+        if not d.eof:
+            raise BadRequest("Content-Encoding gzip, but the body is not gzip: it ends inside its stream")
+        data = d.unused_data  # the next member, as gzip.decompress reads them
+    return bytes(out)
 
 
 # -- envd's Connect RPC filesystem service (JSON codec) ----------------------------------------

@@ -80,3 +80,20 @@ class RateLimited(SandgateError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TooLarge(SandgateError):
+    """A body, a file or a message past a size bound; the message names the bound."""
+
+    status, code = 413, "too_large"
+
+
+class Busy(SandgateError):
+    """The gateway holds as much for its clients as it may (SANDGATE_CLIENT_MEMORY_MB): a new
+    request waits rather than adding more; ``retry_after`` seconds."""
+
+    status, code = 503, "busy"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -35,7 +35,7 @@ from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, SetupFailed, TooLarge, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -841,8 +841,12 @@ class Sandbox:
         if st == State.RUNNING and self.link:
             try:
                 self.link.send_kernel(channel, parts)
-            except AgentError:
-                pass  # the stream just broke: the watcher marks it dead and answers what is pending
+            except AgentError as e:
+                if e.code == "FrameTooLarge":  # nothing was sent; the stream is fine
+                    self.pending.pop(header.get("msg_id"), None)
+                    self.executions.forget(header.get("msg_id") or "")
+                    raise TooLarge(f"the message is larger than the agent protocol's frame ({e})") from None
+                # else the stream just broke: the watcher marks it dead and answers what is pending
             return
         if not self.held.add(channel, parts):
             self.pending.pop(header.get("msg_id"), None)

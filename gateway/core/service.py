@@ -25,7 +25,7 @@ from ..drivers.base import Limits
 from ..egress.policy import EgressPolicy
 from ..egress.secrets import Secret, Secrets, placeholders
 from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, RateLimited,
-                     SandgateError, Unavailable)
+                     SandgateError, TooLarge, Unavailable)
 from .manager import SandboxManager
 from .messages import utcnow
 from .record import TenantRecord
@@ -446,6 +446,8 @@ def file_error(e: AgentError, path: str) -> SandgateError:
         return BadRequest(text, code=e.code)
     if e.code == "ValueError":  # a path the agent cannot use (a NUL byte, say): the caller's, not a 500
         return BadRequest(f"bad path {path!r}: {text}")
+    if e.code == "FrameTooLarge":  # e.g. a file past what one agent frame carries
+        return TooLarge(f"{path}: {text}")
     if e.code == "stream":
         return Unavailable(f"the sandbox's agent is unreachable: {e}")
     if "No space left" in text:
