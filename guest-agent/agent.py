@@ -585,7 +585,8 @@ class Workspace:
             os.close(fd)
             raise
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, offset: int = 0, length: int = 0) -> tuple:
+        """(bytes, the file's stat): ``length`` bytes from ``offset``, or the whole file (length 0)."""
         parts = self.components(path)
         if not parts:
             raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
@@ -595,10 +596,13 @@ class Workspace:
         finally:
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if length:
+                return os.pread(f.fileno(), min(length, P.MAX_PAYLOAD), max(0, offset)), st
             data = f.read(P.MAX_PAYLOAD + 1)
         if len(data) > P.MAX_PAYLOAD:
             raise ValueError("file is larger than the protocol's payload limit")
-        return data
+        return data, st
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         parts = self.components(path)
@@ -1122,8 +1126,10 @@ class Agent:
     # File operations run synchronously on the event loop's thread: see
     # Workspace.acting_as_user for why they must.
     async def op_file_read(self, a, _):
-        data = self.files.run(self.files.read_file, a.path)
-        return {"size": len(data)}, data
+        data, st = self.files.run(self.files.read_file, a.path, a.offset, a.length)
+        if not a.length:
+            return {"size": len(data)}, data
+        return {"size": len(data), "total": st.st_size, "file": f"{st.st_ino}:{st.st_mtime_ns}"}, data
 
     async def op_file_write(self, a, payload):
         self.files.run(self.files.write_file, a.path, payload, a.mode)

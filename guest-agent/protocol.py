@@ -107,6 +107,15 @@ class PathArgs(BaseModel):
     path: str = ""
 
 
+class ReadArgs(BaseModel):
+    """``length`` bytes from ``offset`` (the gateway reads a file a chunk at a time); 0: the whole
+    file, up to MAX_PAYLOAD, as before ranges."""
+
+    path: str = ""
+    offset: int = 0
+    length: int = 0
+
+
 class WriteArgs(BaseModel):
     path: str
     mode: int = 0o644
@@ -158,7 +167,9 @@ OP_ARGS = {
     "setup": SetupArgs,  # after a restore: set env in agent and kernel, reseed randomness
     "interrupt": NoArgs,  # SIGINT the kernel
     "restart": NoArgs,  # kill and start the kernel again, same sandbox
-    "file_read": PathArgs,  # payload of the response = file bytes
+    # payload of the response = file bytes; with a length: {size, total, file}, ``file`` naming the
+    # file's identity and version (inode, mtime), so the reader of chunks knows it did not change
+    "file_read": ReadArgs,
     "file_write": WriteArgs,  # payload of the request = file bytes
     "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
     "file_delete": PathArgs,

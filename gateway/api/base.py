@@ -11,7 +11,7 @@ import re
 from typing import Optional, Type, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from tornado import web
+from tornado import iostream, web
 
 from ..core.errors import SandgateError
 from ..core.tenants import ADMIN, Principal
@@ -61,6 +61,51 @@ class AuthMixin:
             return await fleet.locate(sid, self.who)
         except SandgateError as e:
             raise web.HTTPError(e.status, "%s", e.message) from None
+
+    def on_finish(self) -> None:
+        release = getattr(self.request, "release_budget", None)  # its body (api/admission.py)
+        if release:
+            release()
+
+    def hold(self, n: int):
+        """``n`` bytes written to the client and not yet flushed, on the gateway's client budget until
+        they are: returns the callback that gives them back."""
+        budget = self.settings["budget"]
+        budget.take(n)
+        return lambda *_: budget.give(n)
+
+    async def send(self, data: bytes) -> None:
+        """Write and flush, counted on the budget meanwhile: awaiting the flush is the backpressure
+        (a client that does not read holds one chunk here, not the whole answer)."""
+        give = self.hold(len(data))
+        try:
+            self.write(data)
+            del data
+            await self.flush()
+        finally:
+            give()
+
+    async def send_file(self, chunks) -> None:
+        """A file from ``service.read_file_chunks``, a chunk at a time, each flushed before the next is
+        read. A failure after the first chunk cannot be a status any more: the connection is cut short
+        of its Content-Length, so the client sees an incomplete answer, not a wrong file."""
+        started = False
+        try:
+            async for total, data in chunks:
+                if not started:
+                    self.set_header("Content-Type", "application/octet-stream")
+                    self.set_header("Content-Length", str(total))
+                    started = True
+                await self.send(data)
+        except iostream.StreamClosedError:
+            return  # the client went
+        except SandgateError as e:
+            if not started:
+                raise
+            log.warning("%s %s: cut short: %s", self.request.method, self.request.path, e)
+            self.request.connection.close()
+            return
+        self.finish()
 
     def set_cors(self) -> None:
         allow = self.settings["sandgate"].allow_origin
@@ -139,7 +184,8 @@ class APIHandler(AuthMixin, web.RequestHandler):
 
     def reply(self, data, status: int = 200) -> None:
         self.set_status(status)
-        self.finish(json.dumps(data))
+        body = json.dumps(data).encode()
+        self.finish(body).add_done_callback(self.hold(len(body)))  # held until flushed
 
     def _handle_request_exception(self, e: BaseException) -> None:
         # The core's errors are answers, not crashes: one status per class, no traceback.
@@ -179,6 +225,11 @@ class APIHandler(AuthMixin, web.RequestHandler):
                 log.warning("%s %s: %d %s", self.request.method, self.request.path, value.status_code, message or "")
             return
         super().log_exception(typ, value, tb)
+
+
+def code_bound(settings) -> tuple:
+    """The body bound of an execute call (api/admission.py): its code, JSON-escaped."""
+    return min(settings.max_code_mb, settings.max_message_mb) << 20, "SANDGATE_MAX_CODE_MB"
 
 
 def parse_json(raw: bytes):

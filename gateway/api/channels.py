@@ -68,11 +68,19 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
             self.kernel = self.settings["service"].get(kernel_id, self.who)  # another tenant's: 404 too
         except NotFound:
             raise web.HTTPError(404, "Kernel does not exist: %s", kernel_id) from None
+        cap = self.settings["sandgate"].max_clients_per_kernel
+        if self.clients() >= cap:
+            raise web.HTTPError(403, "%s", f"kernel {kernel_id} has {self.clients()} websocket clients, the most this "
+                                f"gateway allows (SANDGATE_MAX_CLIENTS_PER_KERNEL={cap}); close one first")
         self.session_ids = set()
         sid = self.get_query_argument("session_id", None)
         if sid:
             self.session_ids.add(sid)
         await super().get(kernel_id)
+
+    def clients(self) -> int:
+        """Websockets on this kernel (an execute call's collector is not one)."""
+        return sum(1 for c in self.kernel.fanout.listeners if isinstance(c, ChannelsHandler))
 
     @staticmethod
     def _unreachable(kernel_id: str, url: str, e: Exception) -> web.HTTPError:
@@ -103,6 +111,13 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.limiter = IopubLimiter(s.iopub_msg_rate, s.iopub_data_rate)
         self.max_pending = s.client_buffer_mb << 20
         self.drained = time.monotonic()
+        self.budget = self.settings["budget"]
+        cap = s.max_clients_per_kernel
+        if self.clients() >= cap:  # others were let in between this one's check and its handshake
+            log.warning("kernel %s: refusing a websocket: %d clients already (SANDGATE_MAX_CLIENTS_PER_KERNEL)",
+                        kernel_id, cap)
+            self.close(1008, f"too many clients on this kernel (SANDGATE_MAX_CLIENTS_PER_KERNEL={cap})")
+            return
         self.kernel.attach(self)
         if self.kernel.execution_state == "dead":
             self.deliver("iopub", status_message("dead"))
@@ -153,10 +168,12 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         except websocket.WebSocketClosedError:
             return
         self.pending_bytes += len(data)
+        self.budget.take(len(data))
         sent.add_done_callback(lambda _f, n=len(data): self._written(n))
 
     def _written(self, n: int) -> None:
         self.pending_bytes -= n
+        self.budget.give(n)
         self.drained = time.monotonic()
 
     def _check_stalled(self) -> None:

@@ -45,7 +45,7 @@ from ..core.service import MAX_TTL, StartRequest
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
-from .base import APIHandler, parse_json
+from .base import APIHandler, code_bound, parse_json
 
 log = logging.getLogger("sandgate.e2b")
 
@@ -462,9 +462,7 @@ class FilesHandler(SandboxCallHandler):
 
     async def get(self):
         rel = workspace_path(self.get_query_argument("path", ""))
-        data = await self.service.read_file(self.sid, rel, self.who)
-        self.set_header("Content-Type", "application/octet-stream")
-        self.finish(data)
+        await self.send_file(self.service.read_file_chunks(self.sid, rel, self.who))
 
     async def post(self):
         ctype = self.request.headers.get("Content-Type", "")
@@ -623,8 +621,11 @@ class InterpreterHandler(SandboxCallHandler):
 class ExecuteHandler(InterpreterHandler):
     """POST /execute: NDJSON lines as the kernel produces them, then the execution count and the end."""
 
+    max_body = staticmethod(code_bound)
+
     async def post(self):
         body = self.e2b_body(ExecuteBody)
+        self.request.body = b""  # parsed: the code is held once from here on, not twice
         self.check_context(body.context_id)
         if body.language not in (None, "python", "python3"):
             raise BadRequest(f"language {body.language!r}: a Sandgate sandbox runs Python only")

@@ -17,7 +17,7 @@ from ..core.executions import ID_PATTERN
 from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
-from .base import APIHandler
+from .base import APIHandler, code_bound
 from .jupyter import UUID
 
 
@@ -97,8 +97,11 @@ class ExecuteHandler(APIHandler):
     """JSON by default; with ``Accept: text/event-stream`` (or ``?stream=1``) a
     server-sent event per output as it happens, then one ``result`` event."""
 
+    max_body = staticmethod(code_bound)
+
     async def post(self, sid):
         body = self.body(ExecuteRequest)
+        self.request.body = b""  # parsed: the code is held once from here on, not twice
         self.service.get(sid, self.who)
         stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
         if not stream:
@@ -179,9 +182,7 @@ class FilesHandler(APIHandler):
         except BadRequest as e:
             if e.code != "NotADirectoryError":
                 raise
-        data = await self.service.read_file(sid, path, self.who)
-        self.set_header("Content-Type", "application/octet-stream")
-        self.finish(data)
+        await self.send_file(self.service.read_file_chunks(sid, path, self.who))
 
     async def put(self, sid, path):
         self.reply(await self.service.write_file(sid, path, self.request.body, self.who), 201)

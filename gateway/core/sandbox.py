@@ -967,12 +967,14 @@ class Sandbox:
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": True}
         parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        del content
         collector = Collector(session)
         self.fanout.attach(collector)
         outputs, reply, idle, status = [], None, False, "ok"
         kept, cap, truncated = 0, self.manager.settings.execute_output_mb << 20, False
         try:
             self.send("shell", parts, header)
+            del parts  # sent (or held, which keeps its own): not kept for the cell's whole run
             deadline = time.monotonic() + timeout
             while not (reply and idle):
                 remaining = deadline - time.monotonic()
@@ -994,7 +996,10 @@ class Sandbox:
                     continue
                 if msg_id.encode() not in got[1]:
                     continue
-                h, c = json.loads(got[0]), json.loads(got[3])
+                h = json.loads(got[0])
+                if h["msg_type"] == "execute_input":  # the kernel's echo of the code: not parsed a second time
+                    continue
+                c = json.loads(got[3])
                 if channel == "shell" and h["msg_type"] == "execute_reply":
                     reply = c
                 elif h["msg_type"] == "status":

@@ -14,7 +14,7 @@ import math
 import re
 import time
 import uuid
-from typing import Awaitable, Callable, Dict, List, Optional
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,8 @@ from .tenants import ADMIN, Principal, TenantCreate, TenantModel, Tenants
 
 log = logging.getLogger("sandgate.service")
 
+
+READ_CHUNK = 1 << 20  # a file read from the agent this much at a time
 
 # -- request models (the edge validates; the core trusts) ---------------------
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -423,7 +425,31 @@ class SandboxService:
         return (await self._agent(sandbox_id, "file_list", {"path": path}, who=who))[0]
 
     async def read_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> bytes:
-        return (await self._agent(sandbox_id, "file_read", {"path": path}, who=who))[1]
+        return b"".join([data async for _, data in self.read_file_chunks(sandbox_id, path, who)])
+
+    async def read_file_chunks(self, sandbox_id: str, path: str, who: Principal = ADMIN,
+                               chunk: int = READ_CHUNK) -> AsyncIterator[Tuple[int, bytes]]:
+        """The file a chunk at a time, as (its size, the chunk): a front end writes each to its client
+        and waits for it to be flushed before asking for the next, so a client that does not read
+        holds one chunk in the gateway, not the file. The sandbox's lock is taken per chunk (a pause
+        or checkpoint may come between two); a file that changes between chunks is a Conflict."""
+        offset, total, version = 0, None, None
+        while True:
+            info, data = await self._agent(sandbox_id, "file_read", {"path": path, "offset": offset, "length": chunk},
+                                           who=who)
+            if "total" not in info:  # an agent from before ranges (restored from an old checkpoint): the whole file
+                yield len(data), data
+                return
+            if total is None:
+                total, version = info["total"], info["file"]
+            elif info["file"] != version:
+                raise Conflict(f"{path} changed while it was being read; read it again")
+            offset += len(data)
+            yield total, data
+            if offset >= total or not data:
+                if offset != total:
+                    raise Conflict(f"{path} changed while it was being read; read it again")
+                return
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, who: Principal = ADMIN) -> dict:
         self.get(sandbox_id, who)  # 404 before 400: nothing said about a sandbox it cannot see

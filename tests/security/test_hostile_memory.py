@@ -4,11 +4,15 @@ with psutil as test_gateway_bounds.py does."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import socket
+import threading
 import zlib
 
 import psutil
 import pytest
+import websocket
 
 from conftest import Gateway, wait_for
 
@@ -19,11 +23,70 @@ def rss(gw: Gateway) -> int:
     return psutil.Process(gw.proc.pid).memory_info().rss
 
 
+BUDGET_MB = 96  # SANDGATE_CLIENT_MEMORY_MB of the module's gateway
+CLIENTS = 4  # SANDGATE_MAX_CLIENTS_PER_KERNEL
+
+
 @pytest.fixture(scope="module")
 def gw(home, tmp_path_factory):
-    g = Gateway(home, tmp_path_factory.mktemp("hostile-memory"))
+    g = Gateway(home, tmp_path_factory.mktemp("hostile-memory"),
+                env={"SANDGATE_CLIENT_MEMORY_MB": str(BUDGET_MB), "SANDGATE_MAX_CLIENTS_PER_KERNEL": str(CLIENTS)})
     yield g
     g.stop()
+
+
+@pytest.fixture(scope="module")
+def sid(gw):
+    r = gw.request("POST", "/api/sandboxes", {})
+    assert r.status == 201, r.body
+    yield r.json()["id"]
+    gw.request("DELETE", f"/api/sandboxes/{r.json()['id']}")
+
+
+class Peak:
+    """The gateway's highest RSS while the block runs, sampled every 20 ms."""
+
+    def __init__(self, gw: Gateway):
+        self.proc, self.peak, self.done = psutil.Process(gw.proc.pid), 0, threading.Event()
+
+    def _sample(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.done.wait(0.02)
+
+    def __enter__(self):
+        self.base = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def client_bytes(gw: Gateway) -> float:
+    return gw.metrics()[("sandgate_client_bytes", ())]
+
+
+def raw_request(gw: Gateway, head: str, body: bytes = b"") -> socket.socket:
+    """A client that sends a request and then reads nothing (a small receive buffer)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", gw.port))
+    s.sendall(head.encode() + b"\r\n" + body)
+    return s
+
+
+def answer_begun(s: socket.socket) -> bool:
+    try:
+        return s.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT).startswith(b"HTTP/1.1 ")
+    except BlockingIOError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +128,70 @@ def test_a_gzip_bomb_is_refused_as_it_inflates_not_after(gw, e2b_box):
                    headers={**headers, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
     assert r.status == 200, r.body
     assert gw.request("GET", "/e2b/files?path=ok.txt", token="", headers=headers).body == b"inflated fine"
+
+
+def test_file_reads_travel_in_chunks_a_client_that_does_not_read_holds_one(gw, sid):
+    """Finding 5: 4 GETs of a 250 MiB file whose clients did not read: +1.25 GB."""
+    size = 200 * MiB
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"timeout": 300, "code": (
+        "import hashlib, os\nh = hashlib.sha256()\nwith open('big.bin', 'wb') as f:\n"
+        f"    for i in range({size // MiB}):\n        b = os.urandom(1 << 20); h.update(b); f.write(b)\n"
+        "print(h.hexdigest())")})
+    digest = r.json()["stdout"].strip()
+    assert r.status == 200 and len(digest) == 64, r.body
+    head = (f"GET /api/sandboxes/{sid}/files/big.bin HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: token {gw.token}\r\n")
+    with Peak(gw) as peak:
+        stalled = [raw_request(gw, head) for _ in range(4)]
+        try:
+            wait_for(lambda: all(answer_begun(s) for s in stalled), 120)
+            # Each is waiting on its flush: one chunk each held, on the budget's gauge.
+            wait_for(lambda: 0 < client_bytes(gw) <= 8 * MiB, 60)
+        finally:
+            stalled_one = stalled.pop()
+            for s in stalled:
+                s.close()
+    assert peak.growth < 100 * MiB, peak.growth >> 20  # was over 800 MiB: the file, four times
+    # Nothing lost: the stalled client that reads at last gets every byte.
+    with stalled_one:
+        stalled_one.settimeout(120)
+        f = stalled_one.makefile("rb")
+        status = f.readline()
+        headers = {}
+        for line in iter(f.readline, b"\r\n"):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        assert status.startswith(b"HTTP/1.1 200") and int(headers["content-length"]) == size
+        h, got = hashlib.sha256(), 0
+        while got < size:
+            b = f.read(min(MiB, size - got))
+            assert b, got
+            h.update(b)
+            got += len(b)
+        assert h.hexdigest() == digest
+    wait_for(lambda: client_bytes(gw) == 0, 30)  # every stalled one's chunk given back
+
+
+def test_an_execute_body_past_its_bound_is_refused_before_it_is_read(gw, sid):
+    """Finding 5: 3 execute calls with 60 MiB bodies: +857 MB."""
+    body = json.dumps({"code": "#" + "x" * (60 * MiB)}).encode()
+    results = []
+
+    def call():
+        results.append(gw.request("POST", f"/api/sandboxes/{sid}/execute", raw=body))
+
+    with Peak(gw) as peak:
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == 3
+    for r in results:
+        assert r.status == 413, (r.status, r.body[:300])
+        assert "SANDGATE_MAX_CODE_MB" in r.json()["message"] and r.json()["code"] == "too_large"
+    assert peak.growth < 60 * MiB, peak.growth >> 20
+    # Under the bound, a big cell still runs.
+    code = "n = len('" + "y" * (12 * MiB) + "')\nprint(n)"
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": 120})
+    assert r.status == 200 and r.json()["stdout"] == f"{12 * MiB}\n", r.body[:300]
