@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import posixpath
+import re
 import signal
 import socket
 import stat
@@ -644,6 +645,70 @@ class Workspace:
         finally:
             os.close(dfd)
 
+    UPLOAD = re.compile(r"[0-9a-f]{8,32}")
+
+    def write_part(self, path: str, upload: str, offset: int, data: bytes, last: bool, mode: int) -> int:
+        """One chunk of a file the gateway streams: appended at ``offset`` to the temporary file
+        ``<name>.sandgate-<upload>`` (made at offset 0), renamed over the file with the last chunk,
+        so readers never see half a file, as with write_file. Each chunk opens the temporary file
+        again: nothing is held between two, and a checkpoint may come between them."""
+        parts = self.components(path)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not self.UPLOAD.fullmatch(upload):
+            raise ValueError(f"bad upload id {upload!r}")
+        name = parts[-1]
+        tmp = f"{name}.sandgate-{upload}"
+        dfd = self.open_dir(parts[:-1], path, create=offset == 0)
+        try:
+            flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if offset == 0 else 0)
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if os.fstat(f.fileno()).st_size != offset:  # a chunk lost or repeated: not this file
+                        raise ValueError(f"upload {upload} of {path!r} is at {os.fstat(f.fileno()).st_size}, not {offset}")
+                    f.seek(offset)
+                    f.write(data)
+                    if last:
+                        f.flush()
+                        os.fsync(f.fileno())
+                        os.fchmod(f.fileno(), mode & 0o777)  # never setuid, setgid or sticky
+                if last:
+                    st = None
+                    try:
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                    if st is not None and stat.S_ISDIR(st.st_mode):
+                        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces even a symlink, never follows it
+                    os.fsync(dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
+        return offset + len(data)
+
+    def abort_part(self, path: str, upload: str) -> None:
+        """An upload that will not finish: its temporary file goes."""
+        parts = self.components(path)
+        if not parts or not self.UPLOAD.fullmatch(upload):
+            return
+        try:
+            dfd = self.open_dir(parts[:-1], path)
+        except OSError:
+            return
+        try:
+            os.unlink(f"{parts[-1]}.sandgate-{upload}", dir_fd=dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
     def directory(self, path: str) -> int:
         return self.open_dir(self.components(path), path)
 
@@ -1134,6 +1199,13 @@ class Agent:
     async def op_file_write(self, a, payload):
         self.files.run(self.files.write_file, a.path, payload, a.mode)
         return {"size": len(payload)}, b""
+
+    async def op_file_write_part(self, a, payload):
+        if a.abort:
+            self.files.run(self.files.abort_part, a.path, a.upload)
+            return {}, b""
+        size = self.files.run(self.files.write_part, a.path, a.upload, a.offset, payload, a.last, a.mode)
+        return {"size": size}, b""
 
     async def op_file_list(self, a, _):
         return {"entries": self.files.run(self.files.list_dir, a.path)}, b""

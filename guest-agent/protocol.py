@@ -121,6 +121,18 @@ class WriteArgs(BaseModel):
     mode: int = 0o644
 
 
+class WritePartArgs(BaseModel):
+    """One chunk of a file written in chunks: appended at ``offset`` to the upload's temporary
+    file, which the ``last`` chunk renames over ``path``; ``abort`` removes it instead."""
+
+    path: str
+    upload: str
+    offset: int = 0
+    last: bool = False
+    abort: bool = False
+    mode: int = 0o644
+
+
 class ExecArgs(BaseModel):
     argv: List[str]
     timeout: float = 60.0
@@ -171,6 +183,7 @@ OP_ARGS = {
     # file's identity and version (inode, mtime), so the reader of chunks knows it did not change
     "file_read": ReadArgs,
     "file_write": WriteArgs,  # payload of the request = file bytes
+    "file_write_part": WritePartArgs,  # payload = the chunk; -> {size}: the bytes written so far
     "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
     "file_delete": PathArgs,
     "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr

@@ -75,10 +75,10 @@ class Counted(httputil.HTTPMessageDelegate):
     request is done (its handler's on_finish, or the connection closed)."""
 
     def __init__(self, inner: httputil.HTTPMessageDelegate, request: httputil.HTTPServerRequest, budget: Budget,
-                 reserved: int):
-        self.inner, self.budget, self.reserved, self.got = inner, budget, reserved, 0
-        self.held = reserved
-        budget.take(reserved)
+                 reserved: int, cap: Optional[int] = None):
+        self.inner, self.budget, self.got, self.cap = inner, budget, 0, cap
+        self.held = reserved if cap is None else min(reserved, cap)
+        budget.take(self.held)
         request.release_budget = self.release  # AuthMixin.on_finish
 
     def headers_received(self, start_line, headers):
@@ -86,9 +86,10 @@ class Counted(httputil.HTTPMessageDelegate):
 
     def data_received(self, chunk: bytes):
         self.got += len(chunk)
-        if self.got > self.held and self.held >= 0:  # a chunked body: counted as it comes
-            self.budget.take(self.got - self.held)
-            self.held = self.got
+        counted = self.got if self.cap is None else min(self.got, self.cap)
+        if counted > self.held >= 0:  # a chunked body: counted as it comes
+            self.budget.take(counted - self.held)
+            self.held = counted
         return self.inner.data_received(chunk)
 
     def finish(self) -> None:
@@ -141,4 +142,5 @@ class SandgateApplication(web.Application):
                 "message": f"the gateway holds {budget.held >> 20} MiB for its clients, as much as it may "
                            f"(SANDGATE_CLIENT_MEMORY_MB={budget.limit >> 20}); retry in a moment"})
         request.connection.set_max_body_size(bound)  # a chunked body too
-        return Counted(delegate, request, budget, length)
+        # A handler that takes its body as it arrives holds a chunk of it, not all of it.
+        return Counted(delegate, request, budget, length, getattr(handler_class, "holds_at_most", None))

@@ -32,20 +32,19 @@ import math
 import posixpath
 import re
 import time
-import zlib
 from typing import Dict, List, Optional
 from urllib.parse import parse_qsl
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tornado import iostream, web
+from tornado import httputil, iostream, web
 
-from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError, TooLarge
+from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError
 from ..core.messages import iso, iso_epoch, utcnow
 from ..core.service import MAX_TTL, StartRequest
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
-from .base import APIHandler, code_bound, parse_json
+from .base import APIHandler, BodyStream, code_bound, parse_json
 
 log = logging.getLogger("sandgate.e2b")
 
@@ -457,61 +456,50 @@ class HealthHandler(SandboxCallHandler):
         self.finish()
 
 
-class FilesHandler(SandboxCallHandler):
-    """envd's GET /files (read) and POST /files (multipart or octet-stream write)."""
+@web.stream_request_body
+class FilesHandler(BodyStream, SandboxCallHandler):
+    """envd's GET /files (read, a chunk at a time) and POST /files (write: octet-stream, gzip or
+    not, streamed to the sandbox as it arrives; multipart gathered, then written)."""
+
+    async def prepare(self):
+        await super().prepare()
+        if self._finished or self.request.method != "POST":
+            return
+        if self.request.headers.get("Content-Type", "").startswith("multipart/form-data"):
+            self.gather_body()
+            return
+        path = self.get_query_argument("path", None)
+        if not path:
+            raise BadRequest("an octet-stream upload needs ?path=")
+        self.rel = workspace_path(path)
+        gzip = self.request.headers.get("Content-Encoding", "").lower() == "gzip"  # files.write(gzip=True)
+        self.stream_to(self.service.upload(self.sid, self.rel, self.who), gzip=gzip)
 
     async def get(self):
         rel = workspace_path(self.get_query_argument("path", ""))
         await self.send_file(self.service.read_file_chunks(self.sid, rel, self.who))
 
     async def post(self):
-        ctype = self.request.headers.get("Content-Type", "")
+        if self.gathered is None:
+            await self.finish_upload()
+            return self.reply([{"name": posixpath.basename(self.rel), "type": "file", "path": sandbox_path(self.rel)}])
+        body = self.whole_body()
+        args: dict = {}
+        files: dict = {}
+        httputil.parse_body_arguments(self.request.headers.get("Content-Type", ""), body, args, files,
+                                      self.request.headers)
+        self.request.body = body = b""  # the parts hold the files now
+        parts = [f for fs in files.values() for f in fs]
+        if not parts:
+            raise BadRequest("multipart upload without a file part")
         path = self.get_query_argument("path", None)
-        if ctype.startswith("multipart/form-data"):
-            parts = [f for fs in self.request.files.values() for f in fs]
-            if not parts:
-                raise BadRequest("multipart upload without a file part")
-            uploads = [(path if path and len(parts) == 1 else f.filename, f.body) for f in parts]
-        else:
-            if not path:
-                raise BadRequest("an octet-stream upload needs ?path=")
-            body = self.request.body
-            if self.request.headers.get("Content-Encoding", "").lower() == "gzip":  # files.write(gzip=True)
-                body = gunzip(body, self.service.settings.max_message_mb << 20)
-            uploads = [(path, body)]
+        uploads = [(path if path and len(parts) == 1 else f.filename, f.body) for f in parts]
         out = []
         for p, data in uploads:
             rel = workspace_path(p)
             await self.service.write_file(self.sid, rel, data, self.who)
             out.append({"name": posixpath.basename(rel), "type": "file", "path": sandbox_path(rel)})
         self.reply(out)
-
-
-GUNZIP_STEP = 1 << 20
-
-
-def gunzip(body: bytes, limit: int) -> bytes:
-    """A gzip body (one member or several) inflated a step at a time, refused (413) as soon as it
-    inflates past ``limit``: a small body of zeros must not become gigabytes in this process."""
-    out = bytearray()
-    data = body
-    while data:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip's header and trailer, checked
-        try:
-            while data:
-                out += d.decompress(data, GUNZIP_STEP)
-                if len(out) > limit:
-                    raise TooLarge(f"the gzip body inflates past {limit >> 20} MiB, the most a file upload may be "
-                                   "(SANDGATE_MAX_MESSAGE_MB)")
-                data = d.unconsumed_tail
-                if d.eof:
-                    break
-        except zlib.error as e:
-            raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
-        if not d.eof:
-            raise BadRequest("Content-Encoding gzip, but the body is not gzip: it ends inside its stream")
-        data = d.unused_data  # the next member, as gzip.decompress reads them
-    return bytes(out)
 
 
 # -- envd's Connect RPC filesystem service (JSON codec) ----------------------------------------

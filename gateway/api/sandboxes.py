@@ -17,7 +17,10 @@ from ..core.executions import ID_PATTERN
 from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
-from .base import APIHandler, code_bound
+from tornado import web
+
+from .base import APIHandler, BodyStream, code_bound
+from .forward import forward_http
 from .jupyter import UUID
 
 
@@ -175,7 +178,17 @@ class TreeHandler(APIHandler):
         self.reply(self.service.tree(self.who))
 
 
-class FilesHandler(APIHandler):
+@web.stream_request_body
+class FilesHandler(BodyStream, APIHandler):
+    """GET a file (a chunk at a time) or a listing; PUT a file as its body arrives."""
+
+    async def prepare(self):
+        await super().prepare()
+        if self._finished or self.forward_to or self.request.method != "PUT":
+            return
+        sid, path = self.path_args
+        self.stream_to(self.service.upload(sid, path, self.who))
+
     async def get(self, sid, path):
         try:
             return self.reply(await self.service.list_files(sid, path, self.who))
@@ -185,7 +198,10 @@ class FilesHandler(APIHandler):
         await self.send_file(self.service.read_file_chunks(sid, path, self.who))
 
     async def put(self, sid, path):
-        self.reply(await self.service.write_file(sid, path, self.request.body, self.who), 201)
+        if self.forward_to:  # another node's sandbox: the body, gathered, goes there
+            self.whole_body()
+            return await forward_http(self, self.forward_to, self.settings["sandgate"].node_id)
+        self.reply(await self.finish_upload(), 201)
 
     async def delete(self, sid, path):
         await self.service.delete_file(sid, path, self.who)

@@ -411,7 +411,8 @@ class SandboxService:
         return await self.get(sandbox_id, who).execute(code, timeout, on_output, execution_id, on_begin)
 
     # -- files --------------------------------------------------------------------------
-    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN):
+    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN,
+                     raw: bool = False):
         sb = self.get(sandbox_id, who)
         async with sb.lock:  # no pause or checkpoint takes the link away mid-request
             await sb._run_again()
@@ -419,6 +420,8 @@ class SandboxService:
             try:
                 return await sb.link.request(op, args, payload)
             except AgentError as e:
+                if raw:
+                    raise
                 raise file_error(e, args.get("path", "")) from None
 
     async def list_files(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> dict:
@@ -457,8 +460,66 @@ class SandboxService:
             raise BadRequest("a file path is required")
         return {"path": path, **(await self._agent(sandbox_id, "file_write", {"path": path}, data, who=who))[0]}
 
+    def upload(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> "Upload":
+        """A file written as its bytes arrive (Upload)."""
+        self.get(sandbox_id, who)
+        if not path or path.endswith("/"):
+            raise BadRequest("a file path is required")
+        return Upload(self, sandbox_id, path, who)
+
     async def delete_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> None:
         await self._agent(sandbox_id, "file_delete", {"path": path}, who=who)
+
+
+class Upload:
+    """A file written a chunk at a time, each chunk sent to the agent (``file_write_part``) as
+    it arrives and awaited before the next is taken: the gateway holds one chunk of an upload,
+    not the file. The agent writes a temporary file that the last chunk renames over the path,
+    so the file appears whole or not at all; ``abort`` removes it. An agent from before
+    chunks (a sandbox restored from an old checkpoint) gets the whole file in one write."""
+
+    def __init__(self, service: "SandboxService", sandbox_id: str, path: str, who: Principal):
+        self.service, self.sandbox_id, self.path, self.who = service, sandbox_id, path, who
+        self.id = uuid.uuid4().hex[:16]
+        self.offset = 0
+        self.whole: Optional[bytearray] = None  # the old agent's way: gathered here
+        self.done = False
+
+    async def write(self, data: bytes, last: bool = False) -> Optional[dict]:
+        """The next chunk; with ``last``, the end: the file's answer (as write_file's)."""
+        if self.whole is not None:
+            self.whole += data
+            if last:
+                self.done = True
+                return await self.service.write_file(self.sandbox_id, self.path, bytes(self.whole), self.who)
+            return None
+        args = {"path": self.path, "upload": self.id, "offset": self.offset, "last": last}
+        try:
+            info, _ = await self.service._agent(self.sandbox_id, "file_write_part", args, data, who=self.who,
+                                                raw=True)
+        except AgentError as e:
+            if self.offset == 0 and "unknown op" in str(e):
+                self.whole = bytearray()
+                return await self.write(data, last)
+            self.done = True  # the agent removed its temporary file with the failed chunk
+            raise file_error(e, self.path) from None
+        self.offset = info["size"]
+        if last:
+            self.done = True
+            return {"path": self.path, "size": self.offset}
+        return None
+
+    async def abort(self) -> None:
+        """The client went, or the body was refused: nothing of it is left in the sandbox."""
+        if self.done or self.whole is not None or self.offset == 0:
+            self.done = True
+            return
+        self.done = True
+        try:
+            await self.service._agent(self.sandbox_id, "file_write_part",
+                                      {"path": self.path, "upload": self.id, "abort": True}, who=self.who)
+        except SandgateError as e:
+            log.warning("sandbox %s: upload of %s not cleaned up: %s", self.sandbox_id, self.path, e)
 
 
 def file_error(e: AgentError, path: str) -> SandgateError:

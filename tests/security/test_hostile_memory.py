@@ -110,7 +110,7 @@ def gzip_of_zeros(n: int) -> bytes:
 def test_a_gzip_bomb_is_refused_as_it_inflates_not_after(gw, e2b_box):
     """Finding 1: a 1 MB gzip body of zeros took the gateway from 152 MB to 2.2 GB and a 500."""
     sid, headers = e2b_box
-    bomb = gzip_of_zeros(512 * MiB)
+    bomb = gzip_of_zeros(300 * MiB)
     assert len(bomb) < MiB
     before = rss(gw)
     r = gw.request("POST", "/e2b/files?path=bomb.bin", token="", raw=bomb,
@@ -195,3 +195,91 @@ def test_an_execute_body_past_its_bound_is_refused_before_it_is_read(gw, sid):
     code = "n = len('" + "y" * (12 * MiB) + "')\nprint(n)"
     r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": code, "timeout": 120})
     assert r.status == 200 and r.json()["stdout"] == f"{12 * MiB}\n", r.body[:300]
+
+
+def test_past_the_budget_new_requests_get_503_with_retry_after(gw, e2b_box):
+    """Finding 5: one budget of what the gateway holds for clients, with a gauge; past it, 503."""
+    assert gw.metrics()[("sandgate_client_bytes_limit", ())] == BUDGET_MB * MiB
+    head = (f"POST /api/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: token {gw.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {60 * MiB}\r\n")
+    # Two bodies being sent (slowly): what they will hold is reserved as their headers arrive.
+    slow = [raw_request(gw, head, b'{"labels": {') for _ in range(2)]
+    try:
+        wait_for(lambda: client_bytes(gw) >= BUDGET_MB * MiB, 30)
+        refused_before = gw.metrics()[("sandgate_busy_refusals_total", ())]
+        r = gw.request("GET", "/api/sandboxes")
+        assert r.status == 503 and r.headers["Retry-After"] == "1", (r.status, r.body)
+        assert r.json()["code"] == "busy" and "SANDGATE_CLIENT_MEMORY_MB" in r.json()["message"], r.body
+        _, headers = e2b_box  # E2B's callers get E2B's error shape
+        r = gw.request("GET", "/e2b/health", token="", headers=headers)
+        assert r.status == 503 and r.json()["code"] == 503 and "SANDGATE_CLIENT_MEMORY_MB" in r.json()["message"]
+        assert gw.metrics()[("sandgate_busy_refusals_total", ())] >= refused_before + 2
+    finally:
+        for s in slow:
+            s.close()
+    wait_for(lambda: client_bytes(gw) == 0, 30)  # given back when the connections went
+    assert gw.request("GET", "/api/sandboxes").status == 200
+
+
+def test_a_kernel_takes_a_bounded_number_of_websockets(gw, sid):
+    """Finding 5: 20 websocket clients of one kernel that did not read: +369 MB. Past
+    SANDGATE_MAX_CLIENTS_PER_KERNEL a websocket is refused, saying why."""
+    url = f"ws://127.0.0.1:{gw.port}/api/kernels/{sid}/channels?token={gw.token}"
+    clients = [websocket.create_connection(url, timeout=60) for _ in range(CLIENTS)]
+    try:
+        refused = 0
+        for _ in range(20 - CLIENTS):
+            with pytest.raises(websocket.WebSocketBadStatusException) as e:
+                websocket.create_connection(url, timeout=60)
+            assert e.value.status_code == 403 and b"SANDGATE_MAX_CLIENTS_PER_KERNEL" in e.value.resp_body
+            refused += 1
+        assert refused == 16 and gw.request("GET", f"/api/kernels/{sid}").json()["connections"] == CLIENTS
+        # An execute call is not a websocket: it still runs.
+        r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print('still runs')"})
+        assert r.json()["stdout"] == "still runs\n", r.body
+        clients.pop().close()  # one goes: one more may come
+        clients.append(wait_for(lambda: _connect_or_none(url), 30))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _connect_or_none(url):
+    try:
+        return websocket.create_connection(url, timeout=60)
+    except websocket.WebSocketBadStatusException:
+        return None
+
+
+def test_uploads_travel_in_chunks_and_a_broken_one_leaves_nothing(gw, sid):
+    """Finding 5, the other way: an upload's body reaches the sandbox a chunk at a time."""
+    size = 60 * MiB
+    data = bytes(range(256)) * (size // 256)
+    results = []
+
+    def put(i):
+        results.append(gw.request("PUT", f"/api/sandboxes/{sid}/files/up/{i}.bin", raw=data,
+                                  headers={"Content-Type": "application/octet-stream"}))
+
+    with Peak(gw) as peak:
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [r.status for r in results] == [201] * 3, [r.body for r in results]
+    assert all(r.json()["size"] == size for r in results)
+    assert peak.growth < 60 * MiB, peak.growth >> 20  # was the three bodies and their frames
+    r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"code": (
+        "import hashlib, os\nprint(sorted(os.listdir('up')), "
+        "{hashlib.sha256(open(f'up/{i}.bin', 'rb').read()).hexdigest() for i in range(3)})")})
+    assert r.json()["stdout"] == f"['0.bin', '1.bin', '2.bin'] {{'{hashlib.sha256(data).hexdigest()}'}}\n", r.body
+    # A client that goes mid-upload: no file, and no temporary file left behind.
+    head = (f"PUT /api/sandboxes/{sid}/files/up/broken.bin HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: token {gw.token}\r\nContent-Length: {size}\r\n")
+    s = raw_request(gw, head, data[:8 * MiB])
+    wait_for(lambda: any(e["name"].startswith("broken.bin.sandgate-") for e in
+                         gw.request("GET", f"/api/sandboxes/{sid}/files/up").json()["entries"]), 60)
+    s.close()
+    wait_for(lambda: [e["name"] for e in gw.request("GET", f"/api/sandboxes/{sid}/files/up").json()["entries"]]
+             == ["0.bin", "1.bin", "2.bin"], 60)
