@@ -61,7 +61,9 @@ class RefuseHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         if self.retry_after is not None:
             self.set_header("Retry-After", str(self.retry_after))
-        if self.request.path.startswith("/e2b/"):  # E2B's error shape (api/e2b.py)
+        if self.request.path.startswith(("/e2b/filesystem.", "/e2b/process.")):  # Connect's shape (api/e2b.py)
+            body = {"code": "unavailable" if self.status == 503 else "resource_exhausted", "message": self.message}
+        elif self.request.path.startswith("/e2b/"):  # E2B's error shape (api/e2b.py)
             body = {"code": self.status, "message": self.message}
         else:
             body = {"reason": self._reason, "message": self.message, "code": self.code}
