@@ -1,8 +1,8 @@
 """What the gateway holds for its clients, and the door that refuses more.
 
 One ``Budget`` per gateway counts the bytes it holds for clients: request
-bodies being read (reserved from Content-Length before a byte is read),
-answers written but not yet flushed, and websocket output not yet sent.
+bodies being read (as they arrive), answers written but not yet flushed,
+and websocket output not yet sent.
 ``SandgateApplication.find_handler`` runs once a request's headers are in,
 before its body is read: a body over its bound gets 413 naming the bound,
 and while the budget is spent a new request gets 503 with Retry-After,
@@ -73,14 +73,13 @@ class RefuseHandler(web.RequestHandler):
 
 
 class Counted(httputil.HTTPMessageDelegate):
-    """A request's delegate, with its body's bytes on the budget until the
-    request is done (its handler's on_finish, or the connection closed)."""
+    """A request's delegate, with its body's bytes on the budget until the request is done (its
+    handler's on_finish, or the connection closed). A handler that takes its body as it arrives
+    (``holds_at_most``) holds a chunk of it, not all of it."""
 
     def __init__(self, inner: httputil.HTTPMessageDelegate, request: httputil.HTTPServerRequest, budget: Budget,
-                 reserved: int, cap: Optional[int] = None):
-        self.inner, self.budget, self.got, self.cap = inner, budget, 0, cap
-        self.held = reserved if cap is None else min(reserved, cap)
-        budget.take(self.held)
+                 cap: Optional[int] = None):
+        self.inner, self.budget, self.got, self.cap, self.held = inner, budget, 0, cap, 0
         request.release_budget = self.release  # AuthMixin.on_finish
 
     def headers_received(self, start_line, headers):
@@ -88,8 +87,10 @@ class Counted(httputil.HTTPMessageDelegate):
 
     def data_received(self, chunk: bytes):
         self.got += len(chunk)
+        # Counted as it arrives, not reserved from Content-Length: a client that announces a big
+        # body and trickles it must not spend the budget of everyone else with bytes it never sent.
         counted = self.got if self.cap is None else min(self.got, self.cap)
-        if counted > self.held >= 0:  # a chunked body: counted as it comes
+        if counted > self.held >= 0:
             self.budget.take(counted - self.held)
             self.held = counted
         return self.inner.data_received(chunk)
@@ -144,5 +145,4 @@ class SandgateApplication(web.Application):
                 "message": f"the gateway holds {budget.held >> 20} MiB for its clients, as much as it may "
                            f"(SANDGATE_CLIENT_MEMORY_MB={budget.limit >> 20}); retry in a moment"})
         request.connection.set_max_body_size(bound)  # a chunked body too
-        # A handler that takes its body as it arrives holds a chunk of it, not all of it.
-        return Counted(delegate, request, budget, length, getattr(handler_class, "holds_at_most", None))
+        return Counted(delegate, request, budget, getattr(handler_class, "holds_at_most", None))

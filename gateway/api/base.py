@@ -270,7 +270,7 @@ class BodyStream:
     a failure is kept, the rest of the body read and dropped, and the method raises it."""
 
     streams_body = True
-    holds_at_most = 2 * UPLOAD_CHUNK  # what api/admission.py reserves for its body
+    holds_at_most = 2 * UPLOAD_CHUNK  # what api/admission.py counts of its body on the client budget
 
     upload = None
     failed: Optional[BaseException] = None

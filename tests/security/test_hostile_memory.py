@@ -202,8 +202,8 @@ def test_past_the_budget_new_requests_get_503_with_retry_after(gw, e2b_box):
     assert gw.metrics()[("sandgate_client_bytes_limit", ())] == BUDGET_MB * MiB
     head = (f"POST /api/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: token {gw.token}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {60 * MiB}\r\n")
-    # Two bodies being sent (slowly): what they will hold is reserved as their headers arrive.
-    slow = [raw_request(gw, head, b'{"labels": {') for _ in range(2)]
+    # Two bodies being sent, and not finished: the gateway holds what arrived.
+    slow = [raw_request(gw, head, b'{"labels": {"a": "' + b"x" * (50 * MiB)) for _ in range(2)]
     try:
         wait_for(lambda: client_bytes(gw) >= BUDGET_MB * MiB, 30)
         refused_before = gw.metrics()[("sandgate_busy_refusals_total", ())]
