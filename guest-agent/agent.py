@@ -665,6 +665,8 @@ class Workspace:
             fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
             try:
                 with os.fdopen(fd, "wb") as f:
+                    if offset == 0 or last:  # refused before the first byte, and checked again before the rename
+                        self._writable_name(dfd, name, path)
                     if os.fstat(f.fileno()).st_size != offset:  # a chunk lost or repeated: not this file
                         raise ValueError(f"upload {upload} of {path!r} is at {os.fstat(f.fileno()).st_size}, not {offset}")
                     f.seek(offset)
@@ -674,14 +676,8 @@ class Workspace:
                         os.fsync(f.fileno())
                         os.fchmod(f.fileno(), mode & 0o777)  # never setuid, setgid or sticky
                 if last:
-                    st = None
-                    try:
-                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        pass
-                    if st is not None and stat.S_ISDIR(st.st_mode):
-                        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces even a symlink, never follows it
+                    # Replaces whatever entry is there by then (even a symlink swapped in) without following it.
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                     os.fsync(dfd)
             except BaseException:
                 try:
@@ -692,6 +688,18 @@ class Workspace:
         finally:
             os.close(dfd)
         return offset + len(data)
+
+    @staticmethod
+    def _writable_name(dfd: int, name: str, path: str) -> None:
+        """As write_file: a symlink is never written through, a directory never replaced."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise PermissionError(f"refusing to write through the symlink {path!r}")
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
 
     def abort_part(self, path: str, upload: str) -> None:
         """An upload that will not finish: its temporary file goes."""
