@@ -157,7 +157,9 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
                 log.warning("kernel %s: %s", self.kernel.id, verdict.strip())
                 parts = message("stream", {"name": "stderr", "text": verdict}, _parent(parts))
         data = wire.encode_v1(channel, parts) if self.v1 else wire.encode_legacy(channel, parts)
-        if self.pending_bytes + len(data) > self.max_pending:
+        if not self.pending_bytes:  # nothing was waiting: its stall clock starts now, not at its last drain
+            self.drained = time.monotonic()
+        if self._over(len(data)):
             if self.pending_bytes > 4 * self.max_pending or time.monotonic() - self.drained > STALLED:
                 self._drop()
                 return
@@ -176,9 +178,14 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.budget.give(n)
         self.drained = time.monotonic()
 
+    def _over(self, more: int = 0) -> bool:
+        """Over its own bound, or holding unsent output while the gateway's client budget is spent
+        (then a client that drains nothing for STALLED goes, as over its own bound)."""
+        return self.pending_bytes + more > self.max_pending or (self.pending_bytes > 0 and self.budget.spent())
+
     def _check_stalled(self) -> None:
         self._stall_check = None
-        if self.pending_bytes > self.max_pending and time.monotonic() - self.drained >= STALLED:
+        if self._over() and time.monotonic() - self.drained >= STALLED:
             self._drop()
 
     def _drop(self) -> None:
