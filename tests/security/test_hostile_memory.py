@@ -30,7 +30,8 @@ CLIENTS = 4  # SANDGATE_MAX_CLIENTS_PER_KERNEL
 @pytest.fixture(scope="module")
 def gw(home, tmp_path_factory):
     g = Gateway(home, tmp_path_factory.mktemp("hostile-memory"),
-                env={"SANDGATE_CLIENT_MEMORY_MB": str(BUDGET_MB), "SANDGATE_MAX_CLIENTS_PER_KERNEL": str(CLIENTS)})
+                env={"SANDGATE_CLIENT_MEMORY_MB": str(BUDGET_MB), "SANDGATE_MAX_CLIENTS_PER_KERNEL": str(CLIENTS),
+                     "SANDGATE_IOPUB_DATA_RATE": "0"})
     yield g
     g.stop()
 
@@ -283,3 +284,29 @@ def test_uploads_travel_in_chunks_and_a_broken_one_leaves_nothing(gw, sid):
     s.close()
     wait_for(lambda: [e["name"] for e in gw.request("GET", f"/api/sandboxes/{sid}/files/up").json()["entries"]]
              == ["0.bin", "1.bin", "2.bin"], 60)
+
+
+def test_websockets_that_do_not_read_go_once_their_output_spends_the_budget(gw, sid):
+    """Finding 5: unsent websocket output is on the budget too. Each of these clients stays
+    under its own bound (SANDGATE_CLIENT_BUFFER_MB, 32), together they pass the gateway's."""
+    url = f"ws://127.0.0.1:{gw.port}/api/kernels/{sid}/channels?token={gw.token}"
+    clients = []
+    for _ in range(CLIENTS):
+        c = websocket.create_connection(url, timeout=60)
+        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        clients.append(c)
+    try:
+        r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"timeout": 120, "code": (
+            "import sys\nfor i in range(28): sys.stdout.write('w' * (1 << 20))\nsys.stdout.flush()")})
+        assert r.status == 200, r.body
+        wait_for(lambda: _connections(gw, sid) == 0, 60)  # while the budget is spent, this may be a 503
+        assert "closing a websocket that stopped reading" in gw.log_text()
+        wait_for(lambda: client_bytes(gw) == 0, 30)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _connections(gw, sid):
+    r = gw.request("GET", f"/api/kernels/{sid}")
+    return r.json()["connections"] if r.status == 200 else None
