@@ -255,7 +255,6 @@ def error(status: int, message: str) -> web.HTTPError:
     return web.HTTPError(status, "%s", message)
 
 
-
 UPLOAD_CHUNK = 1 << 20  # an upload reaches the agent this much at a time
 INFLATE_STEP = 1 << 20
 

@@ -488,7 +488,8 @@ class FilesHandler(BodyStream, SandboxCallHandler):
         files: dict = {}
         httputil.parse_body_arguments(self.request.headers.get("Content-Type", ""), body, args, files,
                                       self.request.headers)
-        self.request.body = body = b""  # the parts hold the files now
+        del body
+        self.request.body = b""  # the parts hold the files now
         parts = [f for fs in files.values() for f in fs]
         if not parts:
             raise BadRequest("multipart upload without a file part")

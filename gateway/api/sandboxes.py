@@ -11,14 +11,13 @@ import json
 from typing import Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+from tornado import web
 
 from ..core.errors import BadRequest
 from ..core.executions import ID_PATTERN
 from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
-from tornado import web
-
 from .base import APIHandler, BodyStream, code_bound
 from .forward import forward_http
 from .jupyter import UUID

@@ -87,13 +87,3 @@ class TooLarge(SandgateError):
 
     status, code = 413, "too_large"
 
-
-class Busy(SandgateError):
-    """The gateway holds as much for its clients as it may (SANDGATE_CLIENT_MEMORY_MB): a new
-    request waits rather than adding more; ``retry_after`` seconds."""
-
-    status, code = 503, "busy"
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
