@@ -15,6 +15,8 @@ import pytest
 import websocket
 
 from conftest import Gateway, wait_for
+from core_harness import make, run, start
+from sandgate_agent import protocol as P
 
 MiB = 1 << 20
 
@@ -310,3 +312,29 @@ def test_websockets_that_do_not_read_go_once_their_output_spends_the_budget(gw, 
 def _connections(gw, sid):
     r = gw.request("GET", f"/api/kernels/{sid}")
     return r.json()["connections"] if r.status == 200 else None
+
+
+# -- the service's chunked files on the fake driver (tests/core_harness.py): seconds, no sandbox ----------
+@run
+async def test_an_upload_in_chunks_is_whole_or_absent_and_an_agent_without_chunks_gets_one_write(tmp_path,
+                                                                                                   monkeypatch):
+    svc = make(tmp_path)
+    sb = await start(svc)
+    up = svc.upload(sb.id, "d/f.bin")
+    for i in range(3):
+        assert await up.write(bytes([i]) * 10) is None
+    assert await up.write(b"end", last=True) == {"path": "d/f.bin", "size": 33}
+    assert await svc.read_file(sb.id, "d/f.bin") == b"\0" * 10 + b"\1" * 10 + b"\2" * 10 + b"end"
+    up = svc.upload(sb.id, "d/g.bin")
+    await up.write(b"x" * 5)
+    listing = [e["name"] for e in (await svc.list_files(sb.id, "d"))["entries"]]
+    assert listing[0] == "f.bin" and listing[1].startswith("g.bin.sandgate-") and len(listing) == 2  # not g.bin yet
+    await up.abort()
+    assert [e["name"] for e in (await svc.list_files(sb.id, "d"))["entries"]] == ["f.bin"]
+    # An agent from before chunks (a sandbox restored from an old checkpoint) answers "unknown op".
+    monkeypatch.delitem(P.OP_ARGS, "file_write_part")
+    up = svc.upload(sb.id, "old.bin")
+    await up.write(b"a")
+    assert await up.write(b"b", last=True) == {"path": "old.bin", "size": 2}
+    assert await svc.read_file(sb.id, "old.bin") == b"ab"
+    await svc.delete(sb.id)
