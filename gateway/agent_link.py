@@ -119,16 +119,29 @@ class AgentLink:
     def send_kernel(self, channel: str, parts: List[bytes]) -> None:
         if self.closed.done():
             raise AgentError("agent stream is closed")
-        self.writer.write(P.encode_kernel(channel, parts, trace.request_stamps(parts)))
+        try:
+            head = P.kernel_head(channel, parts, trace.request_stamps(parts))
+        except P.ProtocolError as e:
+            raise AgentError(str(e), "FrameTooLarge") from None
+        # The parts as they are, not joined into one frame (writelines joins too): a big message is
+        # not copied here, only what the socket does not take at once is, into the transport's buffer.
+        self.writer.write(head)
+        for part in parts:
+            self.writer.write(part)
 
     async def request(self, op: str, args: Optional[dict] = None, payload: bytes = b"",
                       timeout: float = 60.0) -> Tuple[dict, bytes]:
         if self.closed.done():
             raise AgentError("agent stream is closed")
         rid = next(self._ids)
+        try:
+            frame = P.encode(P.RequestFrame(id=rid, op=op, args=args or {}), payload)
+        except P.ProtocolError as e:  # nothing was sent: the caller's request is too big, not the stream broken
+            raise AgentError(str(e), "FrameTooLarge") from None
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self.writer.write(P.encode(P.RequestFrame(id=rid, op=op, args=args or {}), payload))
+        self.writer.write(frame)
+        del frame
         try:
             await self.writer.drain()
             frame, data = await asyncio.wait_for(fut, timeout)

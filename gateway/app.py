@@ -11,6 +11,7 @@ from . import logformat, metrics
 from .api import channels, e2b, jupyter, sandboxes, tenants
 from .api import fleet as fleet_api
 from .api import health
+from .api.admission import Budget, SandgateApplication
 from .api import metrics as metrics_api
 from .config import Settings
 from .core.manager import SandboxManager
@@ -73,11 +74,14 @@ def make_app(settings: Settings, service: SandboxService) -> web.Application:
     routes = (health.routes() + sandboxes.routes() + tenants.routes() + metrics_api.routes() + fleet_api.routes() + jupyter.routes()
               + [(rf"/api/kernels/({jupyter.UUID})/channels", channels.ChannelsHandler)])
     routes += e2b.routes()  # the E2B-compatible API under /e2b (docs/e2b.md)
-    return web.Application(
+    budget = Budget(settings.client_memory_mb << 20)
+    metrics.watch_budget(budget)
+    return SandgateApplication(
         routes,
         default_handler_class=jupyter.NotFoundHandler,
         sandgate=settings,
         service=service,
+        budget=budget,  # what the gateway holds for its clients (api/admission.py)
         fleet=None,  # a core.fleet.Fleet once serving on a shared store
         stopping=False,  # set once the gateway shuts down: /healthz answers 503
         shutdown=lambda: None,  # stops the gateway (a drain ends with it); set by `sandgate serve`

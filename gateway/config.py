@@ -77,6 +77,11 @@ class Settings(BaseModel):
     http_body_timeout: float = Field(300, gt=0, allow_inf_nan=False)
     http_max_connections: int = Field(2048, ge=1)  # at most half the descriptor limit (lowered to it at start)
     http_max_connections_per_client: int = Field(256, ge=1)
+    max_code_mb: int = Field(16, ge=1, le=128)  # the body of an execute call (its code, JSON-escaped)
+    # What the gateway holds for its clients at once (request bodies being read, answers not yet
+    # flushed, websocket output not yet sent); past it a new request gets 503 with Retry-After.
+    client_memory_mb: int = Field(1024, ge=16)
+    max_clients_per_kernel: int = Field(16, ge=1)  # websockets attached to one kernel; more are refused
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
     kernel_start_timeout: float = Field(120, gt=0)
     # Tenants (core/tenants.py): defaults for every tenant, overridable per tenant at its creation; 0 = no quota.
@@ -147,7 +152,9 @@ class Settings(BaseModel):
         "pause_idle_timeout": "SANDGATE_PAUSE_IDLE_TIMEOUT",
         "warm_start": "SANDGATE_WARM_START", "pool_size": "SANDGATE_POOL_SIZE",
         "default_driver": "SANDGATE_DRIVER", "home": "SANDGATE_HOME", "env_allow": "SANDGATE_ENV_ALLOW",
-        "max_message_mb": "SANDGATE_MAX_MESSAGE_MB", "kernel_start_timeout": "SANDGATE_KERNEL_START_TIMEOUT",
+        "max_message_mb": "SANDGATE_MAX_MESSAGE_MB", "max_code_mb": "SANDGATE_MAX_CODE_MB",
+        "client_memory_mb": "SANDGATE_CLIENT_MEMORY_MB", "max_clients_per_kernel": "SANDGATE_MAX_CLIENTS_PER_KERNEL",
+        "kernel_start_timeout": "SANDGATE_KERNEL_START_TIMEOUT",
         "http_idle_timeout": "SANDGATE_HTTP_IDLE_TIMEOUT", "http_body_timeout": "SANDGATE_HTTP_BODY_TIMEOUT",
         "http_max_connections": "SANDGATE_HTTP_MAX_CONNECTIONS",
         "http_max_connections_per_client": "SANDGATE_HTTP_MAX_CONNECTIONS_PER_CLIENT",

@@ -49,6 +49,21 @@ for _kind in ("ttl", "pause", "cull", "pass"):  # at zero from the start, so rat
     CULLER_FAILURES.labels(_kind)
 
 
+CLIENT_BYTES = Gauge("sandgate_client_bytes", "Bytes the gateway holds for its clients: request bodies being read, "
+                     "answers not yet flushed, websocket output not yet sent (SANDGATE_CLIENT_MEMORY_MB bounds it)",
+                     registry=REGISTRY)
+CLIENT_BYTES_LIMIT = Gauge("sandgate_client_bytes_limit", "SANDGATE_CLIENT_MEMORY_MB, in bytes: past it new requests "
+                           "get 503", registry=REGISTRY)
+BUSY = Counter("sandgate_busy_refusals", "Requests refused with 503 because the gateway held as much for its clients "
+               "as it may", registry=REGISTRY)
+
+
+def watch_budget(budget) -> None:
+    """Read the gateway's client budget (api/admission.py) at each scrape."""
+    CLIENT_BYTES.set_function(lambda: budget.held)
+    CLIENT_BYTES_LIMIT.set(budget.limit)
+
+
 class SandboxStates:
     """``sandgate_sandboxes{state, driver}``: counted at each scrape from the live manager."""
 

@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import posixpath
+import re
 import signal
 import socket
 import stat
@@ -602,7 +603,8 @@ class Workspace:
             os.close(fd)
             raise
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, offset: int = 0, length: int = 0) -> tuple:
+        """(bytes, the file's stat): ``length`` bytes from ``offset``, or the whole file (length 0)."""
         parts = self.components(path)
         if not parts:
             raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
@@ -612,10 +614,13 @@ class Workspace:
         finally:
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if length:
+                return os.pread(f.fileno(), min(length, P.MAX_PAYLOAD), max(0, offset)), st
             data = f.read(P.MAX_PAYLOAD + 1)
         if len(data) > P.MAX_PAYLOAD:
             raise P.ProtocolError(f"{path!r} is larger than a frame's payload ({P.MAX_PAYLOAD >> 20} MiB)")
-        return data
+        return data, st
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         parts = self.components(path)
@@ -655,6 +660,78 @@ class Workspace:
                     pass
                 raise
             os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    UPLOAD = re.compile(r"[0-9a-f]{8,32}")
+
+    def write_part(self, path: str, upload: str, offset: int, data: bytes, last: bool, mode: int) -> int:
+        """One chunk of a file the gateway streams: appended at ``offset`` to the temporary file
+        ``<name>.sandgate-<upload>`` (made at offset 0), renamed over the file with the last chunk,
+        so readers never see half a file, as with write_file. Each chunk opens the temporary file
+        again: nothing is held between two, and a checkpoint may come between them."""
+        parts = self.components(path)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not self.UPLOAD.fullmatch(upload):
+            raise ValueError(f"bad upload id {upload!r}")
+        name = parts[-1]
+        tmp = f"{name}.sandgate-{upload}"
+        dfd = self.open_dir(parts[:-1], path, create=offset == 0)
+        try:
+            flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if offset == 0 else 0)
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if offset == 0 or last:  # refused before the first byte, and checked again before the rename
+                        self._writable_name(dfd, name, path)
+                    if os.fstat(f.fileno()).st_size != offset:  # a chunk lost or repeated: not this file
+                        raise ValueError(f"upload {upload} of {path!r} is at {os.fstat(f.fileno()).st_size}, not {offset}")
+                    f.seek(offset)
+                    f.write(data)
+                    if last:
+                        f.flush()
+                        os.fsync(f.fileno())
+                        os.fchmod(f.fileno(), mode & 0o777)  # never setuid, setgid or sticky
+                if last:
+                    # Replaces whatever entry is there by then (even a symlink swapped in) without following it.
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    os.fsync(dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
+        return offset + len(data)
+
+    @staticmethod
+    def _writable_name(dfd: int, name: str, path: str) -> None:
+        """As write_file: a symlink is never written through, a directory never replaced."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise PermissionError(f"refusing to write through the symlink {path!r}")
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+
+    def abort_part(self, path: str, upload: str) -> None:
+        """An upload that will not finish: its temporary file goes."""
+        parts = self.components(path)
+        if not parts or not self.UPLOAD.fullmatch(upload):
+            return
+        try:
+            dfd = self.open_dir(parts[:-1], path)
+        except OSError:
+            return
+        try:
+            os.unlink(f"{parts[-1]}.sandgate-{upload}", dir_fd=dfd)
+        except OSError:
+            pass
         finally:
             os.close(dfd)
 
@@ -1153,12 +1230,21 @@ class Agent:
     # File operations run synchronously on the event loop's thread: see
     # Workspace.acting_as_user for why they must.
     async def op_file_read(self, a, _):
-        data = self.files.run(self.files.read_file, a.path)
-        return {"size": len(data)}, data
+        data, st = self.files.run(self.files.read_file, a.path, a.offset, a.length)
+        if not a.length:
+            return {"size": len(data)}, data
+        return {"size": len(data), "total": st.st_size, "file": f"{st.st_ino}:{st.st_mtime_ns}"}, data
 
     async def op_file_write(self, a, payload):
         self.files.run(self.files.write_file, a.path, payload, a.mode)
         return {"size": len(payload)}, b""
+
+    async def op_file_write_part(self, a, payload):
+        if a.abort:
+            self.files.run(self.files.abort_part, a.path, a.upload)
+            return {}, b""
+        size = self.files.run(self.files.write_part, a.path, a.upload, a.offset, payload, a.last, a.mode)
+        return {"size": size}, b""
 
     async def op_file_list(self, a, _):
         return {"entries": self.files.run(self.files.list_dir, a.path)}, b""

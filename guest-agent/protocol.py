@@ -107,8 +107,29 @@ class PathArgs(BaseModel):
     path: str = ""
 
 
+class ReadArgs(BaseModel):
+    """``length`` bytes from ``offset`` (the gateway reads a file a chunk at a time); 0: the whole
+    file, up to MAX_PAYLOAD, as before ranges."""
+
+    path: str = ""
+    offset: int = 0
+    length: int = 0
+
+
 class WriteArgs(BaseModel):
     path: str
+    mode: int = 0o644
+
+
+class WritePartArgs(BaseModel):
+    """One chunk of a file written in chunks: appended at ``offset`` to the upload's temporary
+    file, which the ``last`` chunk renames over ``path``; ``abort`` removes it instead."""
+
+    path: str
+    upload: str
+    offset: int = 0
+    last: bool = False
+    abort: bool = False
     mode: int = 0o644
 
 
@@ -158,8 +179,11 @@ OP_ARGS = {
     "setup": SetupArgs,  # after a restore: set env in agent and kernel, reseed randomness
     "interrupt": NoArgs,  # SIGINT the kernel
     "restart": NoArgs,  # kill and start the kernel again, same sandbox
-    "file_read": PathArgs,  # payload of the response = file bytes
+    # payload of the response = file bytes; with a length: {size, total, file}, ``file`` naming the
+    # file's identity and version (inode, mtime), so the reader of chunks knows it did not change
+    "file_read": ReadArgs,
     "file_write": WriteArgs,  # payload of the request = file bytes
+    "file_write_part": WritePartArgs,  # payload = the chunk; -> {size}: the bytes written so far
     "file_list": PathArgs,  # -> {entries: [{name, type, size, mtime}]}
     "file_delete": PathArgs,
     "exec": ExecArgs,  # -> {exit_code, stdout_len}; payload = stdout + stderr
@@ -185,7 +209,19 @@ def encode(header: BaseModel, payload: bytes = b"") -> bytes:
 
 
 def encode_kernel(channel: str, parts: List[bytes], trace: Optional[Dict[str, float]] = None) -> bytes:
-    return encode(KernelFrame(channel=channel, parts=[len(p) for p in parts], trace=trace), b"".join(parts))
+    return kernel_head(channel, parts, trace) + b"".join(parts)
+
+
+def kernel_head(channel: str, parts: List[bytes], trace: Optional[Dict[str, float]] = None) -> bytes:
+    """A kernel frame's prefix and header; the parts follow as they are (not copied into one payload)."""
+    d = dump(KernelFrame(channel=channel, parts=[len(p) for p in parts], trace=trace))
+    if d.get("trace") is None:
+        d.pop("trace", None)
+    h = json.dumps(d, separators=(",", ":")).encode()
+    plen = sum(len(p) for p in parts)
+    if len(h) > MAX_HEADER or plen > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {len(h)} B, payload {plen} B")
+    return PREFIX.pack(len(h), plen) + h
 
 
 def parse_header(raw: bytes) -> Frame:

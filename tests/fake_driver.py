@@ -349,6 +349,21 @@ class FakeAgent:
         os.replace(tmp, path)
         return {"size": len(payload)}, b""
 
+    async def op_file_write_part(self, a, payload):
+        path = Path(self.resolve(a.path))
+        tmp = path.with_name(f"{path.name}.sandgate-{a.upload}")
+        if a.abort:
+            tmp.unlink(missing_ok=True)
+            return {}, b""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "xb" if a.offset == 0 else "r+b") as f:
+            f.seek(a.offset)
+            f.write(payload)
+        if a.last:
+            os.chmod(tmp, a.mode)
+            os.replace(tmp, path)
+        return {"size": a.offset + len(payload)}, b""
+
     async def op_file_list(self, a, _):
         entries = []
         for e in sorted(os.scandir(self.resolve(a.path)), key=lambda e: e.name):

@@ -3,17 +3,19 @@ bodies and JSON errors (the one place core errors become HTTP)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import math
 import re
+import zlib
 from typing import Optional, Type, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from tornado import web
+from tornado import iostream, web
 
-from ..core.errors import SandgateError
+from ..core.errors import BadRequest, SandgateError, TooLarge
 from ..core.fleetauth import AUTH as FLEET_AUTH, FleetAuthError
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
@@ -82,6 +84,51 @@ class AuthMixin:
         except SandgateError as e:
             raise web.HTTPError(e.status, "%s", e.message) from None
 
+    def on_finish(self) -> None:
+        release = getattr(self.request, "release_budget", None)  # its body (api/admission.py)
+        if release:
+            release()
+
+    def hold(self, n: int):
+        """``n`` bytes written to the client and not yet flushed, on the gateway's client budget until
+        they are: returns the callback that gives them back."""
+        budget = self.settings["budget"]
+        budget.take(n)
+        return lambda *_: budget.give(n)
+
+    async def send(self, data: bytes) -> None:
+        """Write and flush, counted on the budget meanwhile: awaiting the flush is the backpressure
+        (a client that does not read holds one chunk here, not the whole answer)."""
+        give = self.hold(len(data))
+        try:
+            self.write(data)
+            del data
+            await self.flush()
+        finally:
+            give()
+
+    async def send_file(self, chunks) -> None:
+        """A file from ``service.read_file_chunks``, a chunk at a time, each flushed before the next is
+        read. A failure after the first chunk cannot be a status any more: the connection is cut short
+        of its Content-Length, so the client sees an incomplete answer, not a wrong file."""
+        started = False
+        try:
+            async for total, data in chunks:
+                if not started:
+                    self.set_header("Content-Type", "application/octet-stream")
+                    self.set_header("Content-Length", str(total))
+                    started = True
+                await self.send(data)
+        except iostream.StreamClosedError:
+            return  # the client went
+        except SandgateError as e:
+            if not started:
+                raise
+            log.warning("%s %s: cut short: %s", self.request.method, self.request.path, e)
+            self.request.connection.close()
+            return
+        self.finish()
+
     def set_cors(self) -> None:
         allow = self.settings["sandgate"].allow_origin
         origin = self.request.headers.get("Origin")
@@ -93,6 +140,9 @@ class AuthMixin:
 
 
 class APIHandler(AuthMixin, web.RequestHandler):
+    streams_body = False  # a BodyStream: its body arrives after prepare, through data_received
+    forward_to = None  # the fleet Peer a streamed body goes to, once read
+
     async def prepare(self):
         self.set_header("X-Request-Id", new_request_id(self.request.headers.get("X-Request-Id")))
         self.set_cors()
@@ -102,7 +152,9 @@ class APIHandler(AuthMixin, web.RequestHandler):
         if self.who is None:
             raise web.HTTPError(401)
         peer = await self.remote_node()
-        if peer:  # the sandbox lives on another node: its answer is this one's
+        if peer and self.streams_body and self.request.method in ("POST", "PUT", "PATCH"):
+            self.forward_to = peer  # its body is not read yet: forwarded once it is (BodyStream)
+        elif peer:  # the sandbox lives on another node: its answer is this one's
             await forward_http(self, peer)
 
     def fleet_wide(self):
@@ -159,7 +211,8 @@ class APIHandler(AuthMixin, web.RequestHandler):
 
     def reply(self, data, status: int = 200) -> None:
         self.set_status(status)
-        self.finish(json.dumps(data))
+        body = json.dumps(data).encode()
+        self.finish(body).add_done_callback(self.hold(len(body)))  # held until flushed
 
     def _handle_request_exception(self, e: BaseException) -> None:
         # The core's errors are answers, not crashes: one status per class, no traceback.
@@ -201,6 +254,11 @@ class APIHandler(AuthMixin, web.RequestHandler):
         super().log_exception(typ, value, tb)
 
 
+def code_bound(settings) -> tuple:
+    """The body bound of an execute call (api/admission.py): its code, JSON-escaped."""
+    return min(settings.max_code_mb, settings.max_message_mb) << 20, "SANDGATE_MAX_CODE_MB"
+
+
 def parse_json(raw: bytes):
     """JSON, or a 400: malformed, or nested too deep for the parser (RecursionError)."""
     try:
@@ -216,3 +274,111 @@ def not_found(message: str) -> web.HTTPError:
 def error(status: int, message: str) -> web.HTTPError:
     return web.HTTPError(status, "%s", message)
 
+
+UPLOAD_CHUNK = 1 << 20  # an upload reaches the agent this much at a time
+INFLATE_STEP = 1 << 20
+
+
+class BodyStream:
+    """A file upload taken as it arrives (tornado's stream_request_body): each UPLOAD_CHUNK goes
+    to the agent (core/service.py's Upload) and is answered before tornado reads more from the
+    client, so an upload holds one chunk in the gateway, not the file. A gzip body is inflated a
+    step at a time on the way, bounded by SANDGATE_MAX_MESSAGE_MB. A body wanted whole (multipart,
+    a sandbox on another node) is gathered instead, bounded by the same and counted on the
+    client budget. data_received never raises (tornado would drop the connection unanswered):
+    a failure is kept, the rest of the body read and dropped, and the method raises it."""
+
+    streams_body = True
+    holds_at_most = 2 * UPLOAD_CHUNK  # what api/admission.py counts of its body on the client budget
+
+    upload = None
+    failed: Optional[BaseException] = None
+    inflater = None
+    gathered: Optional[list] = None
+    gathered_bytes = 0
+    received = 0
+
+    def stream_to(self, upload, gzip: bool = False) -> None:
+        self.upload, self.pending = upload, bytearray()
+        if gzip:
+            self.inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            self.inflated = 0
+
+    def gather_body(self) -> None:
+        self.gathered = []
+
+    async def data_received(self, chunk: bytes) -> None:
+        self.received += len(chunk)
+        if self.failed is not None:
+            return
+        if self.gathered is not None or self.forward_to:
+            if self.gathered is None:
+                self.gathered = []
+            self.gathered.append(chunk)
+            self.gathered_bytes += len(chunk)
+            self.settings["budget"].take(len(chunk))
+            return
+        if self.upload is None:
+            return
+        try:
+            if self.inflater is not None:
+                await self._inflate(chunk)
+            else:
+                self.pending += chunk
+            await self._send_full_chunks()
+        except Exception as e:  # kept for the method to answer
+            self.failed = e
+            await self.upload.abort()
+
+    async def _inflate(self, data: bytes) -> None:
+        limit = self.settings["sandgate"].max_message_mb << 20
+        while data:
+            if self.inflater.eof:  # another gzip member follows, as gzip.decompress reads them
+                self.inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            try:
+                out = self.inflater.decompress(data, INFLATE_STEP)
+            except zlib.error as e:
+                raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
+            self.inflated += len(out)
+            if self.inflated > limit:
+                raise TooLarge(f"the gzip body inflates past {limit >> 20} MiB, the most a file upload may be "
+                               "(SANDGATE_MAX_MESSAGE_MB)")
+            self.pending += out
+            data = self.inflater.unused_data if self.inflater.eof else self.inflater.unconsumed_tail
+            await self._send_full_chunks()
+
+    async def _send_full_chunks(self) -> None:
+        while len(self.pending) >= UPLOAD_CHUNK:
+            chunk = bytes(self.pending[:UPLOAD_CHUNK])
+            del self.pending[:UPLOAD_CHUNK]
+            await self.upload.write(chunk)
+
+    async def finish_upload(self) -> dict:
+        """The body is in: the last chunk, and the file's answer (or the failure kept meanwhile)."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            if self.inflater is not None and self.received and not self.inflater.eof:
+                raise BadRequest("Content-Encoding gzip, but the body is not gzip: it ends inside its stream")
+            data, self.pending = bytes(self.pending), bytearray()
+            return await self.upload.write(data, last=True)
+        except BaseException:
+            await self.upload.abort()
+            raise
+
+    def whole_body(self) -> bytes:
+        """A gathered body, as request.body."""
+        self.request.body = b"".join(self.gathered or [])
+        self.gathered = []
+        return self.request.body
+
+    def on_connection_close(self) -> None:
+        if self.upload is not None and not self.upload.done:  # the client went mid-upload
+            asyncio.ensure_future(self.upload.abort())
+        super().on_connection_close()
+
+    def on_finish(self) -> None:
+        if self.gathered_bytes:
+            self.settings["budget"].give(self.gathered_bytes)
+            self.gathered_bytes = 0
+        super().on_finish()

@@ -18,9 +18,9 @@ from typing import List
 from tornado import httpclient, web, websocket
 from tornado.ioloop import IOLoop
 
-from ..core.errors import Conflict, NotFound
+from ..core.errors import Conflict, NotFound, TooLarge
 from ..core.fanout import IopubLimiter
-from ..core.messages import message, status_message
+from ..core.messages import error_reply, message, status_message
 from . import wire
 from .. import trace
 from ..logformat import new_request_id
@@ -69,11 +69,19 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
             self.kernel = self.settings["service"].get(kernel_id, self.who)  # another tenant's: 404 too
         except NotFound:
             raise web.HTTPError(404, "Kernel does not exist: %s", kernel_id) from None
+        cap = self.settings["sandgate"].max_clients_per_kernel
+        if self.clients() >= cap:
+            raise web.HTTPError(403, "%s", f"kernel {kernel_id} has {self.clients()} websocket clients, the most this "
+                                f"gateway allows (SANDGATE_MAX_CLIENTS_PER_KERNEL={cap}); close one first")
         self.session_ids = set()
         sid = self.get_query_argument("session_id", None)
         if sid:
             self.session_ids.add(sid)
         await super().get(kernel_id)
+
+    def clients(self) -> int:
+        """Websockets on this kernel (an execute call's collector is not one)."""
+        return sum(1 for c in self.kernel.fanout.listeners if isinstance(c, ChannelsHandler))
 
     @staticmethod
     def _unreachable(kernel_id: str, url: str, e: Exception) -> web.HTTPError:
@@ -104,6 +112,13 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         self.limiter = IopubLimiter(s.iopub_msg_rate, s.iopub_data_rate)
         self.max_pending = s.client_buffer_mb << 20
         self.drained = time.monotonic()
+        self.budget = self.settings["budget"]
+        cap = s.max_clients_per_kernel
+        if self.clients() >= cap:  # others were let in between this one's check and its handshake
+            log.warning("kernel %s: refusing a websocket: %d clients already (SANDGATE_MAX_CLIENTS_PER_KERNEL)",
+                        kernel_id, cap)
+            self.close(1008, f"too many clients on this kernel (SANDGATE_MAX_CLIENTS_PER_KERNEL={cap})")
+            return
         self.kernel.attach(self)
         if self.kernel.execution_state == "dead":
             self.deliver("iopub", status_message("dead"))
@@ -126,6 +141,11 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         except Conflict as e:
             log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
             self.deliver("iopub", status_message("dead", header))
+        except TooLarge as e:  # told like a refused request, and the connection stays usable
+            log.warning("kernel %s: message not delivered: %s", self.kernel.id, e)
+            if header.get("msg_type") == "execute_request":
+                self.deliver("shell", error_reply(header, "MessageTooLarge", str(e)))
+                self.deliver("iopub", status_message("idle", header))
 
     def deliver(self, channel: str, parts: List[bytes]) -> None:
         if self.ws_connection is None or self.ws_connection.is_closing():
@@ -138,7 +158,9 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
                 log.warning("kernel %s: %s", self.kernel.id, verdict.strip())
                 parts = message("stream", {"name": "stderr", "text": verdict}, _parent(parts))
         data = wire.encode_v1(channel, parts) if self.v1 else wire.encode_legacy(channel, parts)
-        if self.pending_bytes + len(data) > self.max_pending:
+        if not self.pending_bytes:  # nothing was waiting: its stall clock starts now, not at its last drain
+            self.drained = time.monotonic()
+        if self._over(len(data)):
             if self.pending_bytes > 4 * self.max_pending or time.monotonic() - self.drained > STALLED:
                 self._drop()
                 return
@@ -149,15 +171,22 @@ class ChannelsHandler(AuthMixin, websocket.WebSocketHandler):
         except websocket.WebSocketClosedError:
             return
         self.pending_bytes += len(data)
+        self.budget.take(len(data))
         sent.add_done_callback(lambda _f, n=len(data): self._written(n))
 
     def _written(self, n: int) -> None:
         self.pending_bytes -= n
+        self.budget.give(n)
         self.drained = time.monotonic()
+
+    def _over(self, more: int = 0) -> bool:
+        """Over its own bound, or holding unsent output while the gateway's client budget is spent
+        (then a client that drains nothing for STALLED goes, as over its own bound)."""
+        return self.pending_bytes + more > self.max_pending or (self.pending_bytes > 0 and self.budget.spent())
 
     def _check_stalled(self) -> None:
         self._stall_check = None
-        if self.pending_bytes > self.max_pending and time.monotonic() - self.drained >= STALLED:
+        if self._over() and time.monotonic() - self.drained >= STALLED:
             self._drop()
 
     def _drop(self) -> None:

@@ -24,7 +24,6 @@ working directory, /workspace, the only directory the files API reaches.
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import hashlib
 import hmac
 import json
@@ -33,12 +32,11 @@ import math
 import posixpath
 import re
 import time
-import zlib
 from typing import Dict, List, Optional
 from urllib.parse import parse_qsl
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from tornado import iostream, web
+from tornado import httputil, iostream, web
 
 from ..core.errors import BadRequest, Conflict, Forbidden, NotFound, SandgateError
 from ..core.messages import iso, iso_epoch, utcnow
@@ -46,7 +44,7 @@ from ..core.service import MAX_LABEL_VALUE, MAX_LABELS, MAX_TTL, StartRequest, c
 from ..core.states import State
 from ..core.tenants import ADMIN, Principal
 from ..logformat import new_request_id
-from .base import APIHandler, parse_json
+from .base import APIHandler, BodyStream, code_bound, parse_json
 
 log = logging.getLogger("sandgate.e2b")
 
@@ -465,33 +463,45 @@ class HealthHandler(SandboxCallHandler):
         self.finish()
 
 
-class FilesHandler(SandboxCallHandler):
-    """envd's GET /files (read) and POST /files (multipart or octet-stream write)."""
+@web.stream_request_body
+class FilesHandler(BodyStream, SandboxCallHandler):
+    """envd's GET /files (read, a chunk at a time) and POST /files (write: octet-stream, gzip or
+    not, streamed to the sandbox as it arrives; multipart gathered, then written)."""
+
+    async def prepare(self):
+        await super().prepare()
+        if self._finished or self.request.method != "POST":
+            return
+        if self.request.headers.get("Content-Type", "").startswith("multipart/form-data"):
+            self.gather_body()
+            return
+        path = self.get_query_argument("path", None)
+        if not path:
+            raise BadRequest("an octet-stream upload needs ?path=")
+        self.rel = workspace_path(path)
+        gzip = self.request.headers.get("Content-Encoding", "").lower() == "gzip"  # files.write(gzip=True)
+        self.stream_to(self.service.upload(self.sid, self.rel, self.who), gzip=gzip)
 
     async def get(self):
         rel = workspace_path(self.get_query_argument("path", ""))
-        data = await self.service.read_file(self.sid, rel, self.who)
-        self.set_header("Content-Type", "application/octet-stream")
-        self.finish(data)
+        await self.send_file(self.service.read_file_chunks(self.sid, rel, self.who))
 
     async def post(self):
-        ctype = self.request.headers.get("Content-Type", "")
+        if self.gathered is None:
+            await self.finish_upload()
+            return self.reply([{"name": posixpath.basename(self.rel), "type": "file", "path": sandbox_path(self.rel)}])
+        body = self.whole_body()
+        args: dict = {}
+        files: dict = {}
+        httputil.parse_body_arguments(self.request.headers.get("Content-Type", ""), body, args, files,
+                                      self.request.headers)
+        del body
+        self.request.body = b""  # the parts hold the files now
+        parts = [f for fs in files.values() for f in fs]
+        if not parts:
+            raise BadRequest("multipart upload without a file part")
         path = self.get_query_argument("path", None)
-        if ctype.startswith("multipart/form-data"):
-            parts = [f for fs in self.request.files.values() for f in fs]
-            if not parts:
-                raise BadRequest("multipart upload without a file part")
-            uploads = [(path if path and len(parts) == 1 else f.filename, f.body) for f in parts]
-        else:
-            if not path:
-                raise BadRequest("an octet-stream upload needs ?path=")
-            body = self.request.body
-            if self.request.headers.get("Content-Encoding", "").lower() == "gzip":  # files.write(gzip=True)
-                try:
-                    body = gzip.decompress(body)
-                except (OSError, EOFError, zlib.error) as e:
-                    raise BadRequest(f"Content-Encoding gzip, but the body is not gzip: {e}") from None
-            uploads = [(path, body)]
+        uploads = [(path if path and len(parts) == 1 else f.filename, f.body) for f in parts]
         out = []
         for p, data in uploads:
             rel = workspace_path(p)
@@ -636,8 +646,11 @@ class InterpreterHandler(SandboxCallHandler):
 class ExecuteHandler(InterpreterHandler):
     """POST /execute: NDJSON lines as the kernel produces them, then the execution count and the end."""
 
+    max_body = staticmethod(code_bound)
+
     async def post(self):
         body = self.e2b_body(ExecuteBody)
+        self.request.body = b""  # parsed: the code is held once from here on, not twice
         self.check_context(body.context_id)
         if body.language not in (None, "python", "python3"):
             raise BadRequest(f"language {body.language!r}: a Sandgate sandbox runs Python only")

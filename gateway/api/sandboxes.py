@@ -11,13 +11,15 @@ import json
 from typing import Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+from tornado import web
 
 from ..core.errors import BadRequest
 from ..core.executions import ID_PATTERN
 from ..egress.policy import EgressPolicy
 from ..core.service import SandboxCreate, SandboxModel, StartRequest, sandbox_model
 from ..core.tenants import TenantCreate, TenantModel
-from .base import APIHandler
+from .base import APIHandler, BodyStream, code_bound
+from .forward import forward_http
 from .jupyter import UUID
 
 
@@ -97,8 +99,11 @@ class ExecuteHandler(APIHandler):
     """JSON by default; with ``Accept: text/event-stream`` (or ``?stream=1``) a
     server-sent event per output as it happens, then one ``result`` event."""
 
+    max_body = staticmethod(code_bound)
+
     async def post(self, sid):
         body = self.body(ExecuteRequest)
+        self.request.body = b""  # parsed: the code is held once from here on, not twice
         self.service.get(sid, self.who)
         stream = "text/event-stream" in self.request.headers.get("Accept", "") or self.get_query_argument("stream", "") in ("1", "true")
         if not stream:
@@ -179,19 +184,30 @@ class TreeHandler(APIHandler):
         self.reply(self.service.tree(self.who))
 
 
-class FilesHandler(APIHandler):
+@web.stream_request_body
+class FilesHandler(BodyStream, APIHandler):
+    """GET a file (a chunk at a time) or a listing; PUT a file as its body arrives."""
+
+    async def prepare(self):
+        await super().prepare()
+        if self._finished or self.forward_to or self.request.method != "PUT":
+            return
+        sid, path = self.path_args
+        self.stream_to(self.service.upload(sid, path, self.who))
+
     async def get(self, sid, path):
         try:
             return self.reply(await self.service.list_files(sid, path, self.who))
         except BadRequest as e:
             if e.code != "NotADirectoryError":
                 raise
-        data = await self.service.read_file(sid, path, self.who)
-        self.set_header("Content-Type", "application/octet-stream")
-        self.finish(data)
+        await self.send_file(self.service.read_file_chunks(sid, path, self.who))
 
     async def put(self, sid, path):
-        self.reply(await self.service.write_file(sid, path, self.request.body, self.who), 201)
+        if self.forward_to:  # another node's sandbox: the body, gathered, goes there
+            self.whole_body()
+            return await forward_http(self, self.forward_to)
+        self.reply(await self.finish_upload(), 201)
 
     async def delete(self, sid, path):
         await self.service.delete_file(sid, path, self.who)

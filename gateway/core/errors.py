@@ -86,3 +86,10 @@ class RateLimited(SandgateError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TooLarge(SandgateError):
+    """A body, a file or a message past a size bound; the message names the bound."""
+
+    status, code = 413, "too_large"
+

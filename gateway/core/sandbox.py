@@ -35,7 +35,7 @@ from ..drivers.base import SandboxError, SandboxSpec
 from ..egress.policy import EgressPolicy
 from ..workspace import Workspace, WorkspaceError, sandbox_uid
 from . import states
-from .errors import Conflict, LimitReached, NotFound, QuotaExceeded, SetupFailed, Unavailable
+from .errors import Conflict, LimitReached, NotFound, QuotaExceeded, SetupFailed, TooLarge, Unavailable
 from .executions import Executions
 from .fanout import FanOut, Listener
 from .messages import ABORTED, error_reply, iso, iso_epoch, message, output_of, status_message, utcnow
@@ -931,8 +931,12 @@ class Sandbox:
         if st == State.RUNNING and self.link:
             try:
                 self.link.send_kernel(channel, parts)
-            except AgentError:
-                pass  # the stream just broke: the watcher marks it dead and answers what is pending
+            except AgentError as e:
+                if e.code == "FrameTooLarge":  # nothing was sent; the stream is fine
+                    self.pending.pop(header.get("msg_id"), None)
+                    self.executions.forget(header.get("msg_id") or "")
+                    raise TooLarge(f"the message is larger than the agent protocol's frame ({e})") from None
+                # else the stream just broke: the watcher marks it dead and answers what is pending
             return
         if not self.held.add(channel, parts):
             self.pending.pop(header.get("msg_id"), None)
@@ -1053,6 +1057,7 @@ class Sandbox:
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": True}
         parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        del content
         collector = Collector(session)
         self.fanout.attach(collector)
         outputs, reply, idle, status, paused = [], None, False, "ok", None
@@ -1061,6 +1066,7 @@ class Sandbox:
             self.send("shell", parts, header)
             # The collector stays attached through a checkpoint, pause and resume: a cell
             # captured by a pause runs on once the sandbox resumes, and its output comes here.
+            del parts  # sent (or held, which keeps its own): not kept for the cell's whole run
             deadline = time.monotonic() + timeout
             while not (reply and idle):
                 remaining = deadline - time.monotonic()
@@ -1087,7 +1093,10 @@ class Sandbox:
                     continue
                 if msg_id.encode() not in got[1]:
                     continue
-                h, c = json.loads(got[0]), json.loads(got[3])
+                h = json.loads(got[0])
+                if h["msg_type"] == "execute_input":  # the kernel's echo of the code: not parsed a second time
+                    continue
+                c = json.loads(got[3])
                 if channel == "shell" and h["msg_type"] == "execute_reply":
                     reply = c
                 elif h["msg_type"] == "status":

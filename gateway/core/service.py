@@ -15,7 +15,7 @@ import math
 import re
 import time
 import uuid
-from typing import Awaitable, Callable, Dict, List, Optional
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,7 +26,7 @@ from ..drivers.base import Limits
 from ..egress.policy import EgressPolicy
 from ..egress.secrets import Secret, Secrets, placeholders
 from .errors import (BadRequest, CeilingExceeded, Conflict, Forbidden, LimitReached, NotFound, QuotaExceeded,
-                     RateLimited, SandgateError, Unavailable)
+                     RateLimited, SandgateError, TooLarge, Unavailable)
 from .manager import SandboxManager
 from .messages import utcnow
 from .record import TenantRecord
@@ -36,6 +36,8 @@ from .tenants import ADMIN, Principal, TenantCreate, TenantModel, Tenants
 
 log = logging.getLogger("sandgate.service")
 
+
+READ_CHUNK = 1 << 20  # a file read from the agent this much at a time
 
 # -- request models (the edge validates; the core trusts) ---------------------
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -466,7 +468,8 @@ class SandboxService:
         return await self.get(sandbox_id, who).execute(code, timeout, on_output, execution_id, on_begin)
 
     # -- files --------------------------------------------------------------------------
-    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN):
+    async def _agent(self, sandbox_id: str, op: str, args: dict, payload: bytes = b"", who: Principal = ADMIN,
+                     raw: bool = False):
         sb = self.get(sandbox_id, who)
         async with sb.lock:  # no pause or checkpoint takes the link away mid-request
             await sb._run_again()
@@ -474,13 +477,39 @@ class SandboxService:
             try:
                 return await sb.link.request(op, args, payload)
             except AgentError as e:
+                if raw:
+                    raise
                 raise file_error(e, args.get("path", ""), op) from None
 
     async def list_files(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> dict:
         return (await self._agent(sandbox_id, "file_list", {"path": path}, who=who))[0]
 
     async def read_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> bytes:
-        return (await self._agent(sandbox_id, "file_read", {"path": path}, who=who))[1]
+        return b"".join([data async for _, data in self.read_file_chunks(sandbox_id, path, who)])
+
+    async def read_file_chunks(self, sandbox_id: str, path: str, who: Principal = ADMIN,
+                               chunk: int = READ_CHUNK) -> AsyncIterator[Tuple[int, bytes]]:
+        """The file a chunk at a time, as (its size, the chunk): a front end writes each to its client
+        and waits for it to be flushed before asking for the next, so a client that does not read
+        holds one chunk in the gateway, not the file. The sandbox's lock is taken per chunk (a pause
+        or checkpoint may come between two); a file that changes between chunks is a Conflict."""
+        offset, total, version = 0, None, None
+        while True:
+            info, data = await self._agent(sandbox_id, "file_read", {"path": path, "offset": offset, "length": chunk},
+                                           who=who)
+            if "total" not in info:  # an agent from before ranges (restored from an old checkpoint): the whole file
+                yield len(data), data
+                return
+            if total is None:
+                total, version = info["total"], info["file"]
+            elif info["file"] != version:
+                raise Conflict(f"{path} changed while it was being read; read it again")
+            offset += len(data)
+            yield total, data
+            if offset >= total or not data:
+                if offset != total:
+                    raise Conflict(f"{path} changed while it was being read; read it again")
+                return
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, who: Principal = ADMIN) -> dict:
         self.get(sandbox_id, who)  # 404 before 400: nothing said about a sandbox it cannot see
@@ -488,8 +517,66 @@ class SandboxService:
             raise BadRequest("a file path is required")
         return {"path": path, **(await self._agent(sandbox_id, "file_write", {"path": path}, data, who=who))[0]}
 
+    def upload(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> "Upload":
+        """A file written as its bytes arrive (Upload)."""
+        self.get(sandbox_id, who)
+        if not path or path.endswith("/"):
+            raise BadRequest("a file path is required")
+        return Upload(self, sandbox_id, path, who)
+
     async def delete_file(self, sandbox_id: str, path: str, who: Principal = ADMIN) -> None:
         await self._agent(sandbox_id, "file_delete", {"path": path}, who=who)
+
+
+class Upload:
+    """A file written a chunk at a time, each chunk sent to the agent (``file_write_part``) as
+    it arrives and awaited before the next is taken: the gateway holds one chunk of an upload,
+    not the file. The agent writes a temporary file that the last chunk renames over the path,
+    so the file appears whole or not at all; ``abort`` removes it. An agent from before
+    chunks (a sandbox restored from an old checkpoint) gets the whole file in one write."""
+
+    def __init__(self, service: "SandboxService", sandbox_id: str, path: str, who: Principal):
+        self.service, self.sandbox_id, self.path, self.who = service, sandbox_id, path, who
+        self.id = uuid.uuid4().hex[:16]
+        self.offset = 0
+        self.whole: Optional[bytearray] = None  # the old agent's way: gathered here
+        self.done = False
+
+    async def write(self, data: bytes, last: bool = False) -> Optional[dict]:
+        """The next chunk; with ``last``, the end: the file's answer (as write_file's)."""
+        if self.whole is not None:
+            self.whole += data
+            if last:
+                self.done = True
+                return await self.service.write_file(self.sandbox_id, self.path, bytes(self.whole), self.who)
+            return None
+        args = {"path": self.path, "upload": self.id, "offset": self.offset, "last": last}
+        try:
+            info, _ = await self.service._agent(self.sandbox_id, "file_write_part", args, data, who=self.who,
+                                                raw=True)
+        except AgentError as e:
+            if self.offset == 0 and "unknown op" in str(e):
+                self.whole = bytearray()
+                return await self.write(data, last)
+            self.done = True  # the agent removed its temporary file with the failed chunk
+            raise file_error(e, self.path) from None
+        self.offset = info["size"]
+        if last:
+            self.done = True
+            return {"path": self.path, "size": self.offset}
+        return None
+
+    async def abort(self) -> None:
+        """The client went, or the body was refused: nothing of it is left in the sandbox."""
+        if self.done or self.whole is not None or self.offset == 0:
+            self.done = True
+            return
+        self.done = True
+        try:
+            await self.service._agent(self.sandbox_id, "file_write_part",
+                                      {"path": self.path, "upload": self.id, "abort": True}, who=self.who)
+        except SandgateError as e:
+            log.warning("sandbox %s: upload of %s not cleaned up: %s", self.sandbox_id, self.path, e)
 
 
 ERRNO = re.compile(r"\[Errno (\d+)\] ([^:]+)")
@@ -520,6 +607,8 @@ def file_error(e: AgentError, path: str, op: str = "") -> SandgateError:
             return LimitReached(f"the listing of {path or 'the workspace'!r} is over the agent protocol's 1 MiB for "
                                 "one listing (about 10,000 entries): list its subdirectories instead")
         return LimitReached(f"{path!r} is over the agent protocol's 256 MiB for one file: read it in a cell")
+    if e.code == "FrameTooLarge":  # e.g. a file past what one agent frame carries
+        return TooLarge(f"{path}: {text}")
     if e.code == "stream":
         return Unavailable(f"the sandbox's agent is unreachable: {e}")
     if "No space left" in text:
