@@ -4,6 +4,7 @@ bodies and JSON errors (the one place core errors become HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -32,6 +33,7 @@ class AuthMixin:
 
     who: Optional[Principal] = None  # the caller, once authenticated; handlers pass it to the service
     forwarded = False  # a request another node of the fleet forwarded here, signed: answered here
+    signed_body: Optional[str] = None  # a forwarded body still arriving: the SHA-256 it was signed with
 
     async def authenticate(self) -> Optional[Principal]:
         """The caller, or None (401)."""
@@ -48,9 +50,14 @@ class AuthMixin:
         fleet = self.settings.get("fleet")
         if fleet is None:
             return None
+        streamed = getattr(self, "streams_body", False) and self.request.method in ("POST", "PUT", "PATCH")
         try:
-            who, sender = fleet.auth.verify(self.request.method, self.request.uri, self.request.body or b"",
-                                            self.request.headers)
+            # A body taken as it arrives is not here yet: the signature is checked now with the hash it
+            # declares, and BodyStream checks the body against that hash before its end is acted on.
+            who, sender = fleet.auth.verify(self.request.method, self.request.uri,
+                                            None if streamed else (self.request.body or b""), self.request.headers)
+            if streamed:
+                self.signed_body = fleet.auth.body_digest(self.request.headers)
         except FleetAuthError as e:
             log.warning("%s %s: refused a forwarded request: %s", self.request.method, self.request.path, e)
             return None
@@ -297,6 +304,17 @@ class BodyStream:
     gathered: Optional[list] = None
     gathered_bytes = 0
     received = 0
+    body_hash = None  # of a forwarded body, as it arrives (signed_body)
+
+    def check_signed_body(self) -> None:
+        """A forwarded body must be the one its node signed (AuthMixin.fleet_principal)."""
+        if self.signed_body is None:
+            return
+        got = (self.body_hash or hashlib.sha256()).hexdigest()
+        if not hmac.compare_digest(got, self.signed_body):
+            log.warning("%s %s: refused a forwarded request: its body is not the one signed",
+                        self.request.method, self.request.path)
+            raise web.HTTPError(401)
 
     def stream_to(self, upload, gzip: bool = False) -> None:
         self.upload, self.pending = upload, bytearray()
@@ -309,6 +327,10 @@ class BodyStream:
 
     async def data_received(self, chunk: bytes) -> None:
         self.received += len(chunk)
+        if self.signed_body is not None:
+            if self.body_hash is None:
+                self.body_hash = hashlib.sha256()
+            self.body_hash.update(chunk)
         if self.failed is not None:
             return
         if self.gathered is not None or self.forward_to:
@@ -358,6 +380,7 @@ class BodyStream:
         if self.failed is not None:
             raise self.failed
         try:
+            self.check_signed_body()
             if self.inflater is not None and self.received and not self.inflater.eof:
                 raise BadRequest("Content-Encoding gzip, but the body is not gzip: it ends inside its stream")
             data, self.pending = bytes(self.pending), bytearray()
@@ -368,6 +391,7 @@ class BodyStream:
 
     def whole_body(self) -> bytes:
         """A gathered body, as request.body."""
+        self.check_signed_body()
         self.request.body = b"".join(self.gathered or [])
         self.gathered = []
         return self.request.body

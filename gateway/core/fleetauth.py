@@ -83,25 +83,39 @@ class FleetAuth:
             return False
 
     # -- forwarded requests --------------------------------------------------------------
-    def _request_mac(self, method: str, uri: str, body: bytes, ts: str, nonce: str, frm: str, to: str,
+    def _request_mac(self, method: str, uri: str, digest: str, ts: str, nonce: str, frm: str, to: str,
                      principal: str) -> str:
         msg = "\n".join(["sandgate-forward-v1", method.upper(), uri, ts, nonce, frm, to, principal,
-                         hashlib.sha256(body or b"").hexdigest()]).encode()
+                         digest]).encode()
         return hmac.new(self._forward_key, msg, hashlib.sha256).hexdigest()
 
     def sign(self, method: str, uri: str, body: bytes, to: str, who: Principal) -> Dict[str, str]:
-        """The headers that carry ``who`` to node ``to`` for this request."""
+        """The headers that carry ``who`` to node ``to`` for this request. The body's hash is in
+        them too (``body=``), so a node that takes the body as it arrives can verify the rest first
+        and the body at its end (``body_digest``)."""
         ts, nonce, principal = f"{self.clock():.3f}", secrets.token_hex(16), principal_text(who)
-        mac = self._request_mac(method, uri, body, ts, nonce, self.node, to, principal)
-        return {AUTH: f"v1 ts={ts} nonce={nonce} from={self.node} to={to} sig={mac}", PRINCIPAL: principal}
+        digest = hashlib.sha256(body or b"").hexdigest()
+        mac = self._request_mac(method, uri, digest, ts, nonce, self.node, to, principal)
+        return {AUTH: f"v1 ts={ts} nonce={nonce} from={self.node} to={to} body={digest} sig={mac}",
+                PRINCIPAL: principal}
 
-    def verify(self, method: str, uri: str, body: bytes, headers) -> tuple:
-        """(the principal the sending node vouches for, that node's id); FleetAuthError otherwise."""
-        raw = headers.get(AUTH, "")
-        version, _, rest = raw.partition(" ")
+    @staticmethod
+    def _fields(headers) -> dict:
+        version, _, rest = headers.get(AUTH, "").partition(" ")
         fields = dict(part.split("=", 1) for part in rest.split() if "=" in part)
-        if version != "v1" or not {"ts", "nonce", "from", "to", "sig"} <= fields.keys():
+        if version != "v1" or not {"ts", "nonce", "from", "to", "sig", "body"} <= fields.keys():
             raise FleetAuthError(f"malformed {AUTH}")
+        return fields
+
+    def body_digest(self, headers) -> str:
+        """The SHA-256 (hex) of the body a request was signed with; its receiver compares the body
+        it took as it arrived (verify with ``body=None``) before acting on the last of it."""
+        return self._fields(headers)["body"]
+
+    def verify(self, method: str, uri: str, body: Optional[bytes], headers) -> tuple:
+        """(the principal the sending node vouches for, that node's id); FleetAuthError otherwise.
+        ``body`` None: a body still arriving, checked by the caller against ``body_digest``."""
+        fields = self._fields(headers)
         if fields["to"] != self.node:
             raise FleetAuthError(f"signed for node {fields['to']!r}, this is {self.node!r}")
         try:
@@ -112,7 +126,8 @@ class FleetAuth:
         if abs(now - ts) > WINDOW:
             raise FleetAuthError(f"signed {now - ts:.0f} s ago (at most {WINDOW:g}: are the nodes' clocks apart?)")
         principal = headers.get(PRINCIPAL, "")
-        mac = self._request_mac(method, uri, body, fields["ts"], fields["nonce"], fields["from"], fields["to"],
+        digest = fields["body"] if body is None else hashlib.sha256(body).hexdigest()
+        mac = self._request_mac(method, uri, digest, fields["ts"], fields["nonce"], fields["from"], fields["to"],
                                 principal)
         if not hmac.compare_digest(mac, fields["sig"]):
             raise FleetAuthError("bad signature (another fleet key, or an altered request)")
