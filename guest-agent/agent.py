@@ -667,7 +667,8 @@ class Workspace:
 
     def write_part(self, path: str, upload: str, offset: int, data: bytes, last: bool, mode: int) -> int:
         """One chunk of a file the gateway streams: appended at ``offset`` to the temporary file
-        ``<name>.sandgate-<upload>`` (made at offset 0), renamed over the file with the last chunk,
+        ``.sandgate-<upload>.part`` (made at offset 0; not named after the file, whose name may be
+        as long as a name can be), renamed over the file with the last chunk,
         so readers never see half a file, as with write_file. Each chunk opens the temporary file
         again: nothing is held between two, and a checkpoint may come between them."""
         parts = self.components(path)
@@ -676,7 +677,7 @@ class Workspace:
         if not self.UPLOAD.fullmatch(upload):
             raise ValueError(f"bad upload id {upload!r}")
         name = parts[-1]
-        tmp = f"{name}.sandgate-{upload}"
+        tmp = f".sandgate-{upload}.part"
         dfd = self.open_dir(parts[:-1], path, create=offset == 0)
         try:
             flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if offset == 0 else 0)
@@ -729,7 +730,7 @@ class Workspace:
         except OSError:
             return
         try:
-            os.unlink(f"{parts[-1]}.sandgate-{upload}", dir_fd=dfd)
+            os.unlink(f".sandgate-{upload}.part", dir_fd=dfd)
         except OSError:
             pass
         finally:

@@ -62,7 +62,10 @@ def test_no_log_line_carries_a_credential(gw):
     assert gw.request("GET", f"/e2b/sandboxes/{missing}?api_key={TOKEN}&access_token={tenant}", token="").status == 401
     assert gw.request("GET", f"/api/nowhere?token={tenant}", token="").status == 404
     # the last request's access line (written once its answer is out, so waited for): every line before it is in
-    log = wait_for(lambda: (text := gw.log_text()) if "/api/nowhere?token=[redacted]" in text else None, 30)
+    def logged():
+        text = gw.log_text()
+        return text if "/api/nowhere?token=[redacted]" in text else None
+    log = wait_for(logged, 30)
     general = [line for line in log.splitlines() if "tornado.general" in line and "/channels?" in line]
     assert len(general) >= 3 and all("token=[redacted]" in line for line in general), general  # the 404s' own lines
     for secret in (TOKEN, tenant, tenant.split(".")[-1], "wrong-guess"):

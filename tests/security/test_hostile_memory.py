@@ -281,7 +281,7 @@ def test_uploads_travel_in_chunks_and_a_broken_one_leaves_nothing(gw, sid):
     head = (f"PUT /api/sandboxes/{sid}/files/up/broken.bin HTTP/1.1\r\nHost: x\r\n"
             f"Authorization: token {gw.token}\r\nContent-Length: {size}\r\n")
     s = raw_request(gw, head, data[:8 * MiB])
-    wait_for(lambda: any(e["name"].startswith("broken.bin.sandgate-") for e in
+    wait_for(lambda: any(e["name"].startswith(".sandgate-") and e["name"].endswith(".part") for e in
                          gw.request("GET", f"/api/sandboxes/{sid}/files/up").json()["entries"]), 60)
     s.close()
     wait_for(lambda: [e["name"] for e in gw.request("GET", f"/api/sandboxes/{sid}/files/up").json()["entries"]]
