@@ -454,6 +454,9 @@ def main(argv=None) -> int:
                    help="with --hostile: seconds of each phase, quiet and hostile (default 120)")
     b.add_argument("--hostile-sandboxes", type=int, default=10, metavar="N",
                    help="with --hostile: ordinary sandboxes running cells (default 10)")
+    b.add_argument("--hostile-attacks", metavar="A,B",
+                   help="with --hostile: only these attacks (gzip, heads, half_open, tokens, downloads, websockets, "
+                        "execute; default all), to see what each costs")
     b.add_argument("--trace", action="store_true",
                    help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
                         "round trip goes (gateway, agent, kernel; median ms per message)")
