@@ -80,7 +80,7 @@ class Settings(BaseModel):
     max_code_mb: int = Field(16, ge=1, le=128)  # the body of an execute call (its code, JSON-escaped)
     # What the gateway holds for its clients at once (request bodies being read, answers not yet
     # flushed, websocket output not yet sent); past it a new request gets 503 with Retry-After.
-    client_memory_mb: int = Field(192, ge=16)
+    client_memory_mb: int = Field(128, ge=16)
     max_clients_per_kernel: int = Field(16, ge=1)  # websockets attached to one kernel; more are refused
     replay_messages: int = Field(2000, ge=0)  # kept per kernel while no client is connected
     kernel_start_timeout: float = Field(120, gt=0)
