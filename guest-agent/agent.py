@@ -629,15 +629,7 @@ class Workspace:
         name = parts[-1]
         dfd = self.open_dir(parts[:-1], path, create=True)
         try:
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                pass
-            else:
-                if stat.S_ISLNK(st.st_mode):
-                    raise PermissionError(f"refusing to write through the symlink {path!r}")
-                if stat.S_ISDIR(st.st_mode):
-                    raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+            self._writable_name(dfd, name, path)
             # Written to a temporary name and renamed: readers never see half a
             # file, and the rename replaces whatever entry is there by then
             # (even a symlink swapped in) without following it.
@@ -710,7 +702,7 @@ class Workspace:
 
     @staticmethod
     def _writable_name(dfd: int, name: str, path: str) -> None:
-        """As write_file: a symlink is never written through, a directory never replaced."""
+        """A symlink is never written through, a directory never replaced (write_file, write_part)."""
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
