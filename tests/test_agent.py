@@ -117,7 +117,7 @@ def test_a_reset_after_the_gateways_last_request_still_delivers_it():
     the request it wrote before that must still be read, then the stream ends
     (asyncio would raise the reset first: the reconnect test above lost its
     cell that way now and then)."""
-    from sandgate_agent.agent import ResetIsEnd
+    from sandgate_agent.transports import ResetIsEnd
 
     async def main():
         reader = asyncio.StreamReader(limit=P.MAX_PAYLOAD)

@@ -1,4 +1,4 @@
-"""The agent's shell fast path (ShellFastPath in sandgate_agent/agent.py), in
+"""The agent's shell fast path (ShellFastPath in sandgate_agent/fast_path.py), in
 process: what the stdin thread writes straight to the kernel's pipe and what
 it hands to the event loop, byte for byte and in order. In real gVisor
 sandboxes (stdio transport) every suite's cells take this path."""
@@ -10,9 +10,10 @@ import types
 
 import pytest
 
-from sandgate_agent import agent as A
 from sandgate_agent import kernel_pipe as KP
+from sandgate_agent import kernel_process as KPR
 from sandgate_agent import protocol as P
+from sandgate_agent.fast_path import ShellFastPath
 
 
 def kernel_frame(channel, code="1+1", msg_id="m1"):
@@ -32,14 +33,14 @@ class Rig:
         agent_end, self.kernel_end = socket.socketpair()
         self.kernel_end.settimeout(10)
         self.loop = loop or asyncio.new_event_loop()  # runs only where a test needs the queue drained
-        kernel = A.KernelProcess.__new__(A.KernelProcess)
+        kernel = KPR.KernelProcess.__new__(KPR.KernelProcess)
         kernel.pipe, kernel.on_pipe, kernel.ident = KP.AgentEnd(agent_end, self.loop), on_pipe, b"ident"
-        kernel.session = A.KernelSession()
+        kernel.session = KPR.KernelSession()
         self.ready = asyncio.Event()
         if ready:
             self.ready.set()
         self.agent = types.SimpleNamespace(ready=self.ready, kernel=kernel, trace_in=lambda *a: None)
-        self.fast = A.ShellFastPath(self.agent)
+        self.fast = ShellFastPath(self.agent)
         self.decoder = KP.Decoder()
 
     def kernel_got(self, n):
@@ -70,7 +71,7 @@ def test_shell_goes_to_the_kernel_and_the_rest_to_the_loop_in_order(rig):
         assert handed == req + control
         (ch1, got1), (ch2, got2) = rig.kernel_got(2)
         assert ch1 == ch2 == KP.SHELL and got1 == got2
-        assert got1[:2] == [b"ident", A.DELIM] and got1[3:] == parts
+        assert got1[:2] == [b"ident", KPR.DELIM] and got1[3:] == parts
         assert got1[2] == rig.agent.kernel.session.sign(parts)
         assert rig.fast.handed == 0
 
