@@ -1,6 +1,7 @@
 """What the agent's children may do, and the agent's own credentials: the sandbox
 user for the kernel and commands, no new privileges by execve, the agent's
-/proc entries hidden where the guest allows it, and per-thread credential
+/proc entries hidden from them (``hidepid`` in a VM, a PID namespace of their
+own under gVisor), no new namespaces for them, and per-thread credential
 switches for the file API."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import struct
 
 try:
     from .diagnostics import log
@@ -53,6 +55,61 @@ def hide_processes() -> None:
                 raise OSError(err, os.strerror(err))
     except (OSError, AttributeError) as e:
         log(f"cannot hide the agent's processes in /proc: {e}")
+
+
+# Every CLONE_NEW* flag: NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
+CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+# AUDIT_ARCH and the numbers of unshare, setns, clone, clone3.
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 308, 56, 435), "aarch64": (0xC00000B7, 97, 268, 220, 435)}
+
+
+def _check(r: int, what: str) -> None:
+    if r != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def no_new_namespaces() -> None:
+    """A seccomp filter on the calling process, inherited by everything it starts: unshare, setns and
+    clone with any CLONE_NEW* flag fail with EPERM, clone3 (whose flags a filter cannot read) with
+    ENOSYS, so that libc falls back to clone. Namespaces are kernel surface that nothing in a sandbox
+    needs. The spawner installs it once it has its PID namespace. Irreversible; needs
+    no_new_privileges first (or CAP_SYS_ADMIN)."""
+    machine = os.uname().machine
+    if machine not in SECCOMP_ARCH:
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
+    arch, unshare, setns, clone, clone3 = SECCOMP_ARCH[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    prog = [  # a jump goes to the instruction after it plus its offset
+        op(ld, 4),                          # 0: seccomp_data.arch
+        op(jeq, arch, 1, 0),
+        op(ret, enosys),                    # 2: another ABI: nothing of it is allowed
+        op(ld, 0),                          # 3: seccomp_data.nr
+        op(jge, 0x40000000, 8, 0),          # -> 13: x32's numbers, the same calls under another name
+        op(jeq, unshare, 6, 0),             # -> 12
+        op(jeq, setns, 5, 0),               # -> 12
+        op(jeq, clone3, 5, 0),              # -> 13
+        op(jeq, clone, 0, 2),               # -> 9, else 11
+        op(ld, 16),                         # 9: clone's flags (args[0], low word)
+        op(jset, CLONE_NEW_ANY, 1, 0),      # -> 12, else 11
+        op(ret, allow),                     # 11
+        op(ret, eperm),                     # 12
+        op(ret, enosys),                    # 13
+    ]
+    code = b"".join(prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(prog), ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 # setresuid, setresgid, setgroups: called directly, they change the calling
