@@ -39,6 +39,7 @@ try:
     from .kernel_process import DELIM, KernelProcess
     from .outbox import Outbox
     from .privileges import as_user, hide_processes, no_new_privileges
+    from .spawner import Spawner
     from .system import host_entropy, loopback_up, reseed_kernel_random
 except ImportError:  # run as a script
     import kernel_pipe as KP  # type: ignore
@@ -50,6 +51,7 @@ except ImportError:  # run as a script
     from kernel_process import DELIM, KernelProcess  # type: ignore
     from outbox import Outbox  # type: ignore
     from privileges import as_user, hide_processes, no_new_privileges  # type: ignore
+    from spawner import Spawner  # type: ignore
     from system import host_entropy, loopback_up, reseed_kernel_random  # type: ignore
 
 if TYPE_CHECKING:
@@ -59,13 +61,14 @@ OWN = b"sandgate-agent-"  # msg_id prefix of the agent's own kernel requests
 
 
 class Agent:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, spawner: Spawner | None = None):
+        self.spawner = spawner
         self.workspace = os.path.realpath(args.workspace)
         os.makedirs(self.workspace, exist_ok=True)
         self.out = Outbox(args.buffer_frames, args.buffer_bytes)
         self.user = args.user
         self.files = WorkspaceFiles(self.workspace, args.user)
-        self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd, args.user)
+        self.kernel = KernelProcess(args.runtime_dir, self.workspace, args.kernel_cmd, args.user, spawner)
         self.ready = asyncio.Event()
         self.restarting = False
         self.waiters: dict[str, tuple] = {}  # own msg_id -> (shell reply, iopub seen)
@@ -505,6 +508,9 @@ class Agent:
         # descriptor (its chdir runs before it drops to the user).
         cwd = self.files.run(self.files.directory, a.cwd)
         try:
+            if self.spawner is not None:
+                return self._exec_answer(*await self.spawner.run(list(a.argv), cwd_fd=cwd, env=dict(os.environ),
+                                                                 user=self.user, timeout=a.timeout))
             proc = await asyncio.create_subprocess_exec(
                 *a.argv, cwd=f"/proc/self/fd/{cwd}", stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
@@ -518,19 +524,25 @@ class Agent:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = await proc.communicate()
+        return self._exec_answer(proc.returncode, timed_out, out, err)
+
+    @staticmethod
+    def _exec_answer(code: int, timed_out: bool, out: bytes, err: bytes):
         cap = P.MAX_PAYLOAD // 2 - 4096  # both streams must fit one frame
         truncated = len(out) > cap or len(err) > cap
         out, err = out[:cap], err[:cap]
-        return {"exit_code": proc.returncode, "timed_out": timed_out, "stdout_len": len(out),
+        return {"exit_code": code, "timed_out": timed_out, "stdout_len": len(out),
                 "truncated": truncated}, out + err
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, spawner: Spawner | None = None) -> None:
     try:  # as the init of any Linux would: code inside may use loopback (and egress does)
         loopback_up()
     except OSError as e:
         log(f"cannot bring the loopback interface up: {e}")
-    agent = Agent(args)
+    agent = Agent(args, spawner)
+    if spawner is not None:
+        spawner.start()
     info = await agent.start_kernel()
     await transports.serve(agent, args.transport, P.encode(P.EventFrame(event="ready", data=info)))
 
@@ -544,13 +556,24 @@ def main(argv=None) -> None:
     ap.add_argument("--buffer-bytes", type=int, default=64 << 20)
     ap.add_argument("--user", type=int, default=None, help="uid (and gid) for the kernel and commands")
     ap.add_argument("--kernel-cmd", nargs="+", default=None, help="kernel argv; '-f CONNECTION_FILE' is appended")
+    ap.add_argument("--pid-namespace", action="store_true",
+                    help="as the sandbox's init: the kernel and commands in a PID namespace (and /proc) of their own, "
+                         "where /proc has no hidepid (gVisor); needs CAP_SYS_ADMIN")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are for the kernel
     no_new_privileges()
+    spawner = None
     if args.user is not None and os.getpid() == 1:  # the sandbox's init: never a host's /proc
-        hide_processes()
+        if not args.pid_namespace:
+            hide_processes()
+        else:
+            try:  # before any thread: the spawner is forked, and must be single-threaded
+                spawner = Spawner.fork()
+            except OSError as e:  # a sandbox whose kernel could see the agent, or make namespaces, does not start
+                log(f"fatal: cannot give the kernel a PID namespace of its own: {e}")
+                sys.exit(3)
     try:
-        asyncio.run(main_async(args))
+        asyncio.run(main_async(args, spawner))
     except RuntimeError as e:
         log(f"fatal: {e}")
         sys.exit(3)

@@ -15,6 +15,8 @@ import uuid
 import zmq
 import zmq.asyncio
 
+from typing import TYPE_CHECKING
+
 try:
     from . import kernel_pipe as KP
     from .diagnostics import log
@@ -23,6 +25,9 @@ except ImportError:  # run as a script
     import kernel_pipe as KP  # type: ignore
     from diagnostics import log  # type: ignore
     from privileges import as_user  # type: ignore
+
+if TYPE_CHECKING:
+    from .spawner import Spawner
 
 
 DELIM = b"<IDS|MSG>"
@@ -60,8 +65,10 @@ class KernelProcess:
     stdin and the heartbeat; shell and IOPub over a pipe (kernel_pipe.py)
     when the kernel is the agent's own and says it took it, else ZMQ too."""
 
-    def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None, user: int | None = None):
+    def __init__(self, runtime_dir: str, workspace: str, argv: list[str] | None, user: int | None = None,
+                 spawner: Spawner | None = None):
         self.user = user
+        self.spawner = spawner  # with one, the kernel runs in its PID namespace (spawner.py)
         self.dir = runtime_dir
         self.workspace = workspace
         self.argv = argv
@@ -118,10 +125,19 @@ class KernelProcess:
             self.pipe = KP.AgentEnd(agent_end, asyncio.get_running_loop())
             env, fds = {**os.environ, KP.ENV: str(kernel_end.fileno())}, (kernel_end.fileno(),)
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv, "-f", self.conn_file, cwd=self.workspace, env=env, pass_fds=fds,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
-                start_new_session=True, **as_user(self.user))
+            if self.spawner is not None:
+                null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    self.proc = await self.spawner.spawn(
+                        [*argv, "-f", self.conn_file], cwd=self.workspace, env=env or dict(os.environ),
+                        fds={0: null, 1: null, 2: sys.stderr.fileno(), **{fd: fd for fd in fds}}, user=self.user)
+                finally:
+                    os.close(null)
+            else:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *argv, "-f", self.conn_file, cwd=self.workspace, env=env, pass_fds=fds,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=sys.stderr.fileno(),
+                    start_new_session=True, **as_user(self.user))
         finally:
             if kernel_end is not None:
                 kernel_end.close()

@@ -147,3 +147,43 @@ print(len(opened), os.getuid(), os.getppid())
     assert opened == "0" and uid != "0"
     assert run(gateway, kernel, "'still fine'")["results"][0]["text/plain"] == "'still fine'"
     assert gateway.request("GET", f"/api/kernels/{kernel}").json()["execution_state"] != "dead"
+
+
+def test_the_kernel_runs_in_a_pid_namespace_without_the_agent_whose_init_reaps_orphans(gateway, kernel):
+    """The kernel's /proc is its own PID namespace's: the agent (and its spawner) are not in it, pid 1 is
+    a reaper that is no copy of the agent, and an orphan that exits is reaped rather than left a zombie
+    (a sandbox's pids limit counts zombies)."""
+    out = run(gateway, kernel, """
+import json, os, subprocess, time
+def procs():
+    found = {}
+    for p in os.listdir('/proc'):
+        if p.isdigit():
+            try:
+                with open(f'/proc/{p}/cmdline', 'rb') as f:
+                    cmd = f.read()
+                with open(f'/proc/{p}/stat') as f:
+                    state = f.read().rsplit(')', 1)[1].split()[0]
+            except OSError:
+                continue  # gone meanwhile
+            found[int(p)] = (cmd.replace(b'\\0', b' ').decode(errors='replace')[:80], state)
+    return found
+before = procs()
+# sh starts sleep in the background and exits: sleep is reparented to the namespace's init.
+orphan = int(subprocess.run(['sh', '-c', 'sleep 10 >/dev/null 2>&1 & echo $!'], capture_output=True, text=True).stdout)
+seen = orphan in procs()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and orphan in procs():
+    time.sleep(0.1)
+with open('/proc/1/environ', 'rb') as f:
+    init_env = f.read()
+print(json.dumps({'before': before, 'orphan_seen': seen, 'orphan_gone': orphan not in procs(),
+                  'me': os.getpid(), 'ppid': os.getppid(), 'init_env': init_env.decode()}))
+""")
+    got = json.loads(out["stdout"])
+    cmds = [cmd for cmd, _ in got["before"].values()]
+    assert not [c for c in cmds if "sandgate_agent.agent" in c], cmds  # no agent, no spawner (a fork of it)
+    assert got["before"]["1"][0].startswith("/usr/bin/python3 -I -S -c import os, signal"), got["before"]["1"]
+    assert got["init_env"] == ""  # nothing of the agent's environment either
+    assert got["ppid"] == 0, got  # its parent (the spawner) is outside the namespace
+    assert got["orphan_seen"] and got["orphan_gone"], got

@@ -61,7 +61,8 @@ log = logging.getLogger("sandgate.gvisor")
 # workspace files on the host with the sandbox's uid unchanged. It has no
 # passwd entry inside either: USER and LOGNAME name it, HOME is /workspace.
 SANDBOX_USER = "sandbox"
-AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL"]
+# CAP_SYS_ADMIN: for the agent's PID namespace and the /proc mounted for it (--pid-namespace).
+AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SYS_ADMIN"]
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": "/workspace",
@@ -114,6 +115,10 @@ def runsc_error(out: str) -> str:
 # capabilities unshare a mount or cgroup namespace and the sandbox user make a user namespace
 # (Linux would not), which puts more of the Sentry within reach and serves nothing here.
 # Enforced by the Sentry (runsc --oci-seccomp), so it holds through checkpoint and restore.
+# One exception, unshare(CLONE_NEWPID), needs CAP_SYS_ADMIN, which only the agent has: its
+# spawner takes it to start the kernel and commands in a PID namespace of their own
+# (--pid-namespace), then installs the same refusal, that one included, on itself and so on
+# all of them (guest-agent/spawner.py).
 CLONE_NEW = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
              "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
              "CLONE_NEWNET": 0x40000000}
@@ -126,14 +131,15 @@ IO_URING = ["io_uring_setup", "io_uring_enter", "io_uring_register"]
 
 
 def no_namespaces() -> dict:
-    """The sandbox's OCI seccomp filter: no namespaces and no io_uring (EPERM)."""
+    """The sandbox's OCI seccomp filter: no namespaces (but the agent's PID namespace) and no io_uring (EPERM)."""
     deny = {"action": "SCMP_ACT_ERRNO", "errnoRet": EPERM}
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64"],
-        "syscalls": [{"names": ["unshare", "setns"], **deny}]
-        + [{"names": ["clone"], **deny, "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
-           for flag in CLONE_NEW.values()]
+        "syscalls": [{"names": ["setns"], **deny}]
+        + [{"names": [call], **deny, "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
+           for call in ("unshare", "clone") for name, flag in CLONE_NEW.items()
+           if not (call == "unshare" and name == "CLONE_NEWPID")]
         + [{"names": IO_URING, **deny}],
     }
 
@@ -216,7 +222,7 @@ class GVisorSandbox(ProcessSandbox):
         uid = sandbox_uid()
         os.chown(self.spec.workspace, uid, uid) if os.geteuid() == 0 else None
         argv = ["/usr/bin/python3", "-m", "sandgate_agent.agent", "--transport", "stdio",
-                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(uid)]
+                "--workspace", "/workspace", "--runtime-dir", "/tmp/sandgate", "--user", str(uid), "--pid-namespace"]
         (bundle / "config.json").write_text(json.dumps(oci_config(self.spec, argv), indent=1))
         (self.sockets / "spec.json").write_text(self.spec.model_dump_json())
         verb = ["restore", "--image-path", str(restore_from)] if restore_from else ["run"]

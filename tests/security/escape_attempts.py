@@ -436,15 +436,26 @@ verdict(r == -1, (r, errno.errorcode.get(ctypes.get_errno())))
     ("agent-memory-root-cwd-exe", PRIV, 'all_fail([(read, "/proc/1/mem"), (os.listdir, "/proc/1/root/"), (os.listdir, "/proc/1/cwd/"),\n'
                                         '          (read, "/proc/1/exe"), (os.readlink, "/proc/1/exe")])'),
     ("agent-process-info", PRIV, r'''
-# The whole class, not three paths: every file and link under the agent's (pid 1's) /proc/1/ and
-# /proc/1/task/<tid>/, and /proc/<tid>/ of each of its threads (found by number; they are not listed).
+# The whole class, not three paths: every file and link under the agent's /proc/<pid>/ and
+# /proc/<pid>/task/<tid>/, and /proc/<tid>/ of each of its threads (found by number; they are not listed).
+# The agent is whichever process runs sandgate_agent.agent, and pid 1 whatever it runs if its cmdline
+# cannot be read; none found (a /proc that does not show the agent) is the safe outcome.
 # Not net/: the network namespace's files, which /proc/net shows anyway.
-try:
-    tids = os.listdir("/proc/1/task")
-except OSError:
-    tids = ["1"]
+agents = []
+for p in sorted(set(os.listdir("/proc")) | {"1"}):
+    if p.isdigit():
+        e, cmd = attempt(read, f"/proc/{p}/cmdline")
+        if (e is None and b"sandgate_agent.agent" in cmd) or (e is not None and p == "1" and os.path.exists("/proc/1")):
+            agents.append(p)
+bases = []
+for pid in agents:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tids = [pid]
+    bases += [f"/proc/{pid}"] + [f"/proc/{pid}/task/{t}" for t in tids] + [f"/proc/{t}" for t in tids if t != pid]
 seen = []
-for base in ["/proc/1"] + [f"/proc/1/task/{t}" for t in tids] + [f"/proc/{t}" for t in tids if t != "1"]:
+for base in bases:
     for root, dirs, files in os.walk(base, onerror=lambda e: None):
         links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # cwd, root: read, not walked
         dirs[:] = [d for d in dirs if d not in ("net", "task") and d not in links]
@@ -453,7 +464,8 @@ for base in ["/proc/1"] + [f"/proc/1/task/{t}" for t in tids] + [f"/proc/{t}" fo
             e, r = attempt(os.readlink if os.path.islink(p) else read, p)
             if e is None:
                 seen.append(p)
-verdict(not seen, f"{len(seen)} readable: {sorted(set(p.rsplit('/', 1)[1] for p in seen))}" if seen else "none readable")
+verdict(not seen, f"{len(seen)} readable: {sorted(set(p.rsplit('/', 1)[1] for p in seen))}" if seen
+        else f"none readable of the agent's {agents}" if agents else "the agent is not in this /proc")
 '''),
     ("mount-tmpfs-proc-bind", PRIV, r'''
 os.makedirs("/tmp/m", exist_ok=True)
@@ -761,13 +773,6 @@ FORGED_ATTEMPTS = [("forged-kernel-messages-to-the-agent", AGENT)]
 # Attempts that succeeded, per driver: the test asserts the safe behaviour and is marked
 # xfail(strict=True) with this reason, so it fails once the finding is fixed (and must move to FIXED).
 FINDINGS = {
-    ("agent-process-info", "gvisor"):
-        "runsc's /proc/<pid>/ files are mode 0444 (0400 for few) with no ptrace-access check, and it has no "
-        "hidepid: the sandbox user reads the agent's (root, pid 1) environ, maps, smaps, auxv, stat, status, "
-        "cmdline, fdinfo/*, and the same under /proc/1/task/<tid>/ and /proc/<tid>/ for each of its threads "
-        "(its initial environment, no secret; its memory layout, which defeats ASLR). PR_SET_DUMPABLE 0 makes "
-        "them root's but leaves them 0444, chmod is EPERM; runsc 20240729 is the same. A PID namespace of the "
-        "kernel's own needs a single-threaded spawner in this runsc (docs/security.md, finding 2 of this suite)",
 }
 # Found and fixed on this branch: (id, driver) -> what was wrong and the fix.
 FIXED = {
@@ -779,6 +784,11 @@ FIXED = {
     ("agent-process-info", "qemu"):
         "a VM's /proc showed the agent's stat, status, cmdline, comm, mounts and more to the sandbox user "
         "(environ, maps and auxv needed ptrace access there); now the agent remounts /proc with hidepid=2",
+    ("agent-process-info", "gvisor"):
+        "runsc's /proc/<pid>/ files are mode 0444 with no ptrace-access check and no hidepid: the sandbox user read "
+        "the agent's (root, pid 1) environ, maps, smaps, auxv, stat, status, cmdline, fdinfo/* and the same for "
+        "each of its threads; now the kernel and commands run in a PID namespace of their own whose /proc does "
+        "not have the agent (its init is a fresh reaper process, not a copy of the agent)",
     ("unshare-mount-cgroup-namespaces", "gvisor"):
         "runsc 20221219 let a process without capabilities unshare(CLONE_NEWNS) and unshare(CLONE_NEWCGROUP); now "
         "refused by the same seccomp filter",
@@ -797,8 +807,17 @@ def all_attempts():
 ROOT_GUEST_ATTEMPTS = [("root-guest-hostile-frames", AGENT), ("root-guest-malformed-frame", AGENT)]
 NOT_ON = {("root-guest-hostile-frames", "qemu"): "no way in as root", ("root-guest-malformed-frame", "qemu"): "no way in as root"}
 FORGE_FRAMES = r'''
-import json, os, struct, sys
-links = {n: os.readlink(f"/proc/1/fd/{n}") for n in os.listdir("/proc/1/fd")}
+import ctypes, json, os, struct, sys
+proc = "/proc"
+with open("/proc/1/cmdline", "rb") as f:
+    if b"sandgate_agent.agent" not in f.read():
+        # /proc is the kernel's PID namespace, which has no agent: this process (runsc exec's, root in
+        # the sandbox's first namespace) mounts a proc of its own namespace, where the agent is pid 1.
+        proc = "/tmp/.root-guest-proc"
+        os.makedirs(proc, exist_ok=True)
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mount(b"proc", proc.encode(), b"proc", 0, None) == 0, os.strerror(ctypes.get_errno())
+links = {n: os.readlink(f"{proc}/1/fd/{n}") for n in os.listdir(f"{proc}/1/fd")}
 # The agent's frames go out on the duplicate of its first stdout: the host pipe that is neither its stdin
 # (fd 0) nor its stderr (fd 2).
 out = [n for n, l in links.items() if l.startswith("host:") and l not in (links["0"], links["2"])]
@@ -806,7 +825,9 @@ assert len(out) == 1, links
 def frame(header, payload=b""):
     h = json.dumps(header).encode()
     return struct.pack(">II", len(h), len(payload)) + h + payload
-fd = os.open(f"/proc/1/fd/{out[0]}", os.O_WRONLY)
+fd = os.open(f"{proc}/1/fd/{out[0]}", os.O_WRONLY)
+if proc != "/proc":
+    libc.umount2(proc.encode(), 2)  # MNT_DETACH: the descriptor stays; the mount is seen by every process here
 if sys.argv[1] == "hostile":
     frames = [frame({"type": "response", "id": 987654321, "ok": True, "result": {"pid": 1}}),
               frame({"type": "response", "id": 1, "ok": False, "error": "PermissionError: forged"}),
