@@ -41,7 +41,8 @@ def cmd_serve(args) -> int:
                              egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts,
                              redis_url=args.redis_url, node_id=args.node_id)
     if settings.redis_url and not settings.fleet_secret():
-        # Without it a node would have to trust whatever the store says another node is (issue 29).
+        # Without it a node would have to trust whatever the store says another node is, and anyone
+        # who can write to the store could pose as one.
         print("sandgate: a fleet node (SANDGATE_REDIS_URL is set) needs the fleet's key: set SANDGATE_FLEET_KEY "
               "(or SANDGATE_FLEET_KEY_FILE) to the same secret of at least 32 characters on every node, e.g. "
               "`openssl rand -hex 32`; it authenticates the nodes to each other and seals secret values in Redis",

@@ -118,8 +118,8 @@ CLONE_NEW = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NE
              "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
              "CLONE_NEWNET": 0x40000000}
 EPERM = 1  # (this runsc answers EPERM whatever errnoRet says: tried with ENOSYS)
-# io_uring too: one open io_uring descriptor made this runsc fail its next checkpoint and
-# the sandbox die with it (issue 29 finding 6). Programs that try io_uring (libuv, liburing
+# io_uring too: one open io_uring descriptor makes this runsc fail its next checkpoint and
+# the sandbox die with it. Programs that try io_uring (libuv, liburing
 # users) fall back to ordinary system calls when io_uring_setup fails, as Docker's default
 # seccomp profile (EPERM too) has them do.
 IO_URING = ["io_uring_setup", "io_uring_enter", "io_uring_register"]
@@ -173,7 +173,7 @@ def oci_config(spec: SandboxSpec, argv: List[str]) -> dict:
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
             # gVisor adds /dev/net/tun and /dev/fuse; an open tun fd makes this runsc
-            # panic at the next checkpoint (issue 11 finding 9). Nothing here needs them.
+            # panic at the next checkpoint, so a kernel could kill its own sandbox. Nothing here needs them.
             {"destination": "/dev/net", "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev", "mode=755"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": tmpfs},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": tmpfs},
