@@ -81,8 +81,8 @@ def no_new_privileges() -> None:
 
 def hide_processes() -> None:
     """Remount /proc with hidepid=2, so that the kernel's user sees its own processes only: not the
-    agent's (pid 1) environment, memory map, status or anything else under /proc/1 (issue 29,
-    finding 17). A VM's agent is root with every capability and this works; gVisor's Sentry has no
+    agent's (pid 1) environment, memory map, status or anything else under /proc/1, which would
+    tell it what the agent holds. A VM's agent is root with every capability and this works; gVisor's Sentry has no
     hidepid and the agent there no CAP_SYS_ADMIN (EPERM, nothing to do: docs/security.md says what
     stays readable there)."""
     try:
@@ -482,7 +482,7 @@ class ThreadCredentials:
 
 class Workspace:
     """The files API, done so that the agent is no deputy for the code in the
-    sandbox (issue 11, finding 7).
+    sandbox.
 
     The agent is root with CAP_DAC_OVERRIDE; the kernel's user controls every
     name in the workspace and can swap a directory for a symlink at any
@@ -527,7 +527,7 @@ class Workspace:
         tracing the agent meanwhile (both check the target's real and saved
         uid). With the raw calls the operations could move to a worker thread
         and stop blocking the loop on big files; with the glibc fallback they
-        could not, so they stay on the loop, as they always were."""
+        could not, so they stay on the loop."""
         if not self.switch:
             yield
             return
