@@ -9,7 +9,7 @@ is what one more sandbox costs, broken down by kind of host process. The drop in
 only: any other work on the host moves it. Then every sandbox is paused to disk: what is left is
 host processes (should be none) and the bytes of their images.
 
-Goal (issue 15): at most 100 MiB PSS per idle sandbox, so 200+ fit in 24 GiB.
+Goal: at most 100 MiB PSS per idle sandbox, so 200+ fit in 24 GiB.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`sandgate bench --fleet`: a three-node fleet on loopback (issue 13's benchmark).
+"""`sandgate bench --fleet`: a three-node fleet on loopback.
 
 A real redis-server (a free loopback port, a directory of its own) and three
 ``sandgate serve`` nodes (A, B, C) with homes of their own, the built image
