@@ -1,4 +1,4 @@
-"""Egress carried over the agent's stream (issue 12, item 1), end to end.
+"""Egress carried over the agent's stream, end to end.
 
 The real core (manager, sandbox lifecycle, agent link) runs in this process on
 the real drivers; code inside real sandboxes uses urllib through the agent's

@@ -74,7 +74,7 @@ def test_microvm_kernel_has_its_own_kernel_and_no_network(vmgw):
 
 
 def test_a_cold_boot_gets_its_env(vmgw):
-    """Issue 10 item 7: a VM boots from a shared image, so its env comes in `setup`."""
+    """A VM boots from a shared image, so its env can only come in `setup`."""
     r = vmgw.request("POST", "/api/sandboxes", {"driver": "qemu", "env": {"KERNEL_GREETING": "hi there"}})
     assert r.status == 201, r.body
     sid = r.json()["id"]

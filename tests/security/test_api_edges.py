@@ -1,5 +1,5 @@
-"""Red-team finding 11 (issue 11), the smaller ones at the API's edge: bodies
-that gave a 500, and file names that did not survive a restore. Real gateway,
+"""The smaller hazards at the API's edge: bodies that could give a 500, and file
+names that must survive a restore. Real gateway,
 real gVisor sandboxes."""
 
 from __future__ import annotations
