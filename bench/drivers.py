@@ -76,7 +76,7 @@ def timed(fn):
 def whole_image(t: SandgateTarget, cid: str) -> None:
     """Store checkpoint ``cid``'s running state the way it was stored before chunking: the image
     itself in its state directory (its chunks stay; another checkpoint may share them)."""
-    from sandgate.state_chunks import MANIFEST, ChunkStore
+    from sandgate.checkpoints.state_chunks import MANIFEST, ChunkStore
 
     state = t.home / "checkpoints" / "items" / cid / "state"
     if not (state / MANIFEST).is_file():
