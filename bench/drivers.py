@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import IDLE_WAIT, BenchError, SandgateTarget, _default_home, cell_result, mib, progress, runtime_memory
+from .harness import IDLE_WAIT, BenchError, cell_result, default_home, mib, progress, runtime_memory
+from .targets import SandgateTarget
 
 REPS = 3
 RTT_RUNS = 20
@@ -198,7 +199,7 @@ def run(args) -> int:
         if not ok:
             print(f"sandgate bench: driver {d} cannot run here: {why}", file=sys.stderr)
             return 1
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     from sandgate_images import rootfs, vm
 
     rootfs.build(home)
