@@ -90,7 +90,7 @@ def stored_chunks(gw) -> set:
 
 
 def referenced_chunks(gw) -> set:
-    from sandgate.state_chunks import manifest_keys
+    from sandgate.checkpoints.state_chunks import manifest_keys
     return {k for d in (gw.home / "checkpoints" / "items").iterdir() if (d / "checkpoint.json").is_file()
             for k in manifest_keys(d / "state")}
 
@@ -237,7 +237,7 @@ def test_a_template_that_does_not_restore_is_forgotten_and_the_start_goes_on_col
 
 
 def json_keys(gw, cid):
-    from sandgate.state_chunks import manifest_keys
+    from sandgate.checkpoints.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
 
 
