@@ -16,7 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Type
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Type, get_args
 
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, Field, FilePath, SecretStr, ValidationError, field_validator
@@ -463,7 +463,8 @@ def add_flags(parser: argparse.ArgumentParser, declared: List[Declared]) -> None
         if d.is_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["metavar"] = {int: "N", float: "X"}.get(d.field.annotation, "VALUE")
+            kinds = (d.field.annotation, *get_args(d.field.annotation))  # Optional[int] too
+            kwargs["metavar"] = "N" if int in kinds else "X" if float in kinds else "VALUE"
         parser.add_argument(d.flag, **kwargs)
     unflagged = [d.env for d in declared if d.env and not d.flag]
     if unflagged:
