@@ -183,6 +183,7 @@ def runsc_columns(spec: str, home: Path) -> Dict[str, str]:
 
 
 def run(args) -> int:
+    from sandgate.config import Settings
     from sandgate.drivers import DRIVERS
 
     drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
@@ -195,7 +196,7 @@ def run(args) -> int:
         print("sandgate bench: --runsc compares gvisor only (--drivers gvisor)", file=sys.stderr)
         return 2
     for d in drivers:
-        ok, why = DRIVERS[d].probe()
+        ok, why = DRIVERS[d].probe(Settings.load())
         if not ok:
             print(f"sandgate bench: driver {d} cannot run here: {why}", file=sys.stderr)
             return 1

@@ -221,7 +221,7 @@ def preflight(home: Path) -> None:
     from .harness import need_psutil
 
     need_psutil()
-    if not runsc_path():
+    if not runsc_path(os.environ.get("SANDGATE_RUNSC", "")):
         raise BenchError("runsc not found: install gVisor (apt-get install runsc), then `sandgate doctor`")
     if not shutil.which("redis-server"):
         raise BenchError("redis-server not found: the fleet keeps its records in Redis (apt-get install redis-server)")

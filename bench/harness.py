@@ -162,7 +162,7 @@ def preflight(home: Path) -> None:
                if not _importable(m)]
     if missing:
         raise BenchError(f"missing Python packages: {', '.join(missing)}; pip install -e '.[test]'")
-    if not runsc_path():
+    if not runsc_path(os.environ.get("SANDGATE_RUNSC", "")):
         raise BenchError("runsc not found: install gVisor (apt-get install runsc), then `sandgate doctor`")
     if not images.is_built(home):
         flag = f" --home {home}" if home != default_home() else ""
@@ -185,7 +185,7 @@ def runsc_version() -> str:
     from sandgate.drivers.gvisor import runsc_path
 
     try:
-        out = subprocess.run([runsc_path() or "runsc", "--version"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run([runsc_path(os.environ.get("SANDGATE_RUNSC", "")) or "runsc", "--version"], capture_output=True, text=True, timeout=20)
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
