@@ -257,11 +257,20 @@ class FirecrackerSandbox(ProcessSandbox):
         release(self.proc.pid)  # the VM's memory is not the gateway's
         self.console.follow(self.proc.stdout)
         self.driver.register(self)
+        # The socket file appears at bind(), a moment before listen(): ready is when it accepts.
         deadline = time.monotonic() + 10
-        while not self.api_sock.exists():
+        while not await self._api_accepts():
             if self.proc.returncode is not None or time.monotonic() > deadline:
                 raise SandboxError(f"firecracker did not start: {self.failure()}")
             await asyncio.sleep(0.02)
+
+    async def _api_accepts(self) -> bool:
+        try:
+            _, writer = await unix_connect(self.api_sock)
+        except OSError:  # not there yet, or there and not yet listening (ECONNREFUSED)
+            return False
+        writer.close()
+        return True
 
     async def call(self, method: str, path: str, body: Optional[dict] = None,
                    timeout: float = API_TIMEOUT) -> Optional[dict]:
