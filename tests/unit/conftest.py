@@ -1,0 +1,20 @@
+"""The in-process tier: the gateway's own code over the fake driver, no runsc, no image."""
+
+import pytest
+
+from unit.inprocess import InProcessGateway
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """One in-process gateway per module, as tests/conftest.py's real one (max 4 kernels)."""
+    gw = InProcessGateway(tmp_path_factory.mktemp("gw"), env={"SANDGATE_MAX_KERNELS": "4"})
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def kernel(gateway):
+    kid = gateway.start_kernel()
+    yield kid
+    gateway.request("DELETE", f"/api/kernels/{kid}")
