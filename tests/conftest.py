@@ -34,14 +34,25 @@ SLOW_FILES = ("test_qemu", "test_qemu_confinement", "test_fleet", "test_fleet_ex
 SLOW_PARAMS = ("qemu", "gvisor-runsc-trixie")
 
 
+# The three tiers, each runnable alone: tests/unit (in-process, the fake driver, no runsc), the
+# integration tests beside it (real gVisor), and the slow ones (marked, or named above).
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def tier(item) -> int:
+    if item.get_closest_marker("slow") is not None:
+        return 2
+    return 0 if item.path.is_relative_to(UNIT) else 1
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.path.stem in SLOW_FILES or any(v in SLOW_PARAMS for v in params.values()):
             item.add_marker(pytest.mark.slow)
-    # A stable sort keeps each group in file order, so a module-scoped gateway per driver is still
-    # started once; the core's failures show up in the first minutes, not the last.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    # A stable sort keeps each tier in file order, so a module-scoped gateway per driver is still
+    # started once; the fast tiers' failures show up in the first minutes, not the last.
+    items.sort(key=tier)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 each other's kernels, sandboxes, checkpoints, files, websockets and sessions
 all 404; lists filtered; the admin sees all; the token stored hashed; tenants
 kept across a gateway restart; quotas and 429 with Retry-After; bad input 400.
-The same behaviours run in seconds on the fake driver in test_tenants.py."""
+The same behaviours run in seconds on the fake driver in unit/test_tenants.py."""
 
 from __future__ import annotations
 

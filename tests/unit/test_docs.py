@@ -9,7 +9,7 @@ from pathlib import Path
 from sandgate.config import Settings
 from sandgate.core.states import table_markdown
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_the_states_table_is_the_transition_table():
