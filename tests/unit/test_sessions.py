@@ -5,7 +5,7 @@ its own only, and a restarted gateway still has them."""
 import pytest
 
 from unit.inprocess import InProcessGateway
-from test_tenants_gateway import new_tenant
+from unit.test_tenants_gateway import new_tenant
 
 
 @pytest.fixture(scope="module")
