@@ -3,6 +3,7 @@ are runsc sandboxes built from the real image, driven by real clients."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -60,6 +61,25 @@ def home() -> Path:
     """The image cache, built once (about 2 minutes on a fresh machine)."""
     images.build(HOME)
     return HOME
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """``env`` in os.environ for as long as the block runs (a value of None: unset), then as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
-import os
 import struct
 import time
 import zlib
@@ -21,27 +19,14 @@ import pytest
 import e2b  # the test extra installs both SDKs: a missing one fails the module, it is never skipped
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
-from conftest import ANSI, Gateway
+from conftest import ANSI, Gateway, environment
 from sandgate.api.e2b import e2b_api_key
 
-ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
 
-
-@contextlib.contextmanager
 def sdk_pointed_at(g):
     """The SDKs' environment naming gateway ``g``, for as long as the block runs."""
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(E2B_API_URL=g.url + "/e2b", E2B_SANDBOX_URL=g.url + "/e2b", E2B_API_KEY=e2b_api_key(g.token),
-                      E2B_DOMAIN="sandgate.invalid")
-    os.environ.pop("E2B_DEBUG", None)
-    try:
-        yield g
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environment({"E2B_API_URL": g.url + "/e2b", "E2B_SANDBOX_URL": g.url + "/e2b",
+                        "E2B_API_KEY": e2b_api_key(g.token), "E2B_DOMAIN": "sandgate.invalid", "E2B_DEBUG": None})
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,14 @@ log_text, stop), so a test of protocol or bookkeeping runs against either."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import socket
 import threading
 import uuid
 from pathlib import Path
 from typing import Optional
 
-from conftest import Gateway
+from conftest import Gateway, environment
 from fake_driver import FakeDriver
 from sandgate.app import make_app
 from sandgate.config import Settings
@@ -31,21 +29,6 @@ from sandgate import metrics
 # real gateway's do; what a sandbox does is the fake's (no isolation, no limits).
 DRIVER = "gvisor"
 LOGGERS = ("sandgate", "tornado")
-
-
-@contextlib.contextmanager
-def environment(env: dict):
-    """`env` as the process environment while the settings are read, as `sandgate serve` reads them."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class LogLines(logging.Handler):

@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from sandgate_client import AuthError, BadRequest, LimitReached, NotFound, RateLimited, Sandbox, Unavailable
+from test_client import sb  # noqa: F401 (a fixture, over this module's gw)
 from unit.inprocess import InProcessGateway
 
 
@@ -17,12 +18,6 @@ def gw(tmp_path_factory):
     g = InProcessGateway(tmp_path_factory.mktemp("gw"), env={"SANDGATE_MAX_KERNELS": "6"})
     yield g
     g.stop()
-
-
-@pytest.fixture
-def sb(gw):
-    with Sandbox.create(gw.url, gw.token, timeout=120) as s:
-        yield s
 
 
 def test_typed_errors(gw, sb, tmp_path):

@@ -16,7 +16,7 @@ from e2b_code_interpreter import Sandbox
 
 from core_harness import make, run
 from sandgate.api.e2b import e2b_api_key
-from test_e2b import sdk_pointed_at
+from test_e2b import sb, sdk_pointed_at  # noqa: F401 (sb: a fixture, over this module's gw)
 from unit.inprocess import InProcessGateway
 
 
@@ -26,13 +26,6 @@ def gw(tmp_path_factory):
     with sdk_pointed_at(g):
         yield g
     g.stop()
-
-
-@pytest.fixture
-def sb(gw):
-    s = Sandbox.create()
-    yield s
-    Sandbox.kill(s.sandbox_id)  # False when the test killed it already
 
 
 def raw(gw, method, path, body=None, headers=None):
