@@ -44,8 +44,10 @@ class LogLines(logging.Handler):
 
 
 class InProcessGateway(Gateway):
-    """One gateway on the fake driver; `env` takes the `SANDGATE_*` variables a real one would.
-    Warm start is off unless `env` turns it on (a template is a real gateway's concern)."""
+    """One gateway on the fake driver; `env` takes the `SANDGATE_*` variables a real one would, as
+    far as `Settings.load` reads them (the process environment is put back once they are read).
+    Warm start is off unless `env` turns it on (a template is a real gateway's concern). What it
+    logs is every `sandgate` and `tornado` line of the process while it runs."""
 
     def __init__(self, tmp: Path, token="test-token", env: Optional[dict] = None, own_home: Optional[Path] = None,
                  driver: Optional[FakeDriver] = None):
@@ -60,10 +62,11 @@ class InProcessGateway(Gateway):
         self.driver = driver or FakeDriver()
         self.driver.shares_workspace = False  # a plain directory: no loop-mounted disk for a fake
         self.log_lines = LogLines()
+        self.log_levels = {name: logging.getLogger(name).level for name in LOGGERS}
         for name in LOGGERS:
             logging.getLogger(name).addHandler(self.log_lines)
             if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
-                logging.getLogger(name).setLevel(logging.INFO)
+                logging.getLogger(name).setLevel(logging.INFO)  # what `serve` logs
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="in-process-gateway", daemon=True)
         self.thread.start()
@@ -119,3 +122,4 @@ class InProcessGateway(Gateway):
                 self.loop.close()
                 for name in LOGGERS:
                     logging.getLogger(name).removeHandler(self.log_lines)
+                    logging.getLogger(name).setLevel(self.log_levels[name])
