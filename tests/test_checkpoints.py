@@ -143,7 +143,7 @@ def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
     """Checkpoints from before stored-block frames keep their gVisor chunks as sync-flushed raw
     deflate (codec deflate-sync): runsc restores them as it did."""
     from sandgate.checkpoints import CheckpointStore
-    from test_state_chunks import to_deflate_sync
+    from unit.test_state_chunks import to_deflate_sync
 
     sid = create(gw)["id"]
     ex(gw, sid, "x = 41")
@@ -186,7 +186,7 @@ def test_a_template_stored_in_the_old_chunk_format_is_made_anew(home, tmp_path):
     import json
 
     from sandgate.checkpoints import CheckpointStore
-    from test_state_chunks import to_deflate_sync
+    from unit.test_state_chunks import to_deflate_sync
 
     g = Gateway(home, tmp_path)
     templates = g.home / "templates.json"

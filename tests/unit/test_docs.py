@@ -10,7 +10,7 @@ from pathlib import Path
 from sandgate import config
 from sandgate.core.states import table_markdown
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_the_states_table_is_the_transition_table():
