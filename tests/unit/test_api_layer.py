@@ -5,7 +5,7 @@ Checked on the source, so a new handler that does is caught without a gateway.""
 import ast
 from pathlib import Path
 
-API = Path(__file__).resolve().parent.parent / "gateway" / "api"
+API = Path(__file__).resolve().parents[2] / "gateway" / "api"
 
 
 def reaches_into_manager(path: Path):
