@@ -1,4 +1,4 @@
-"""The hostile soak: `sandgate bench --hostile`. Every attack of the hostile-load red-team at once,
+"""The hostile soak: `sandgate bench --hostile`. Every hostile-load attack at once,
 each bounded, against one gateway while ordinary sandboxes run cells; the same ordinary load
 first on its own (the quiet phase) as the baseline.
 
@@ -14,7 +14,7 @@ Attacks (each a loop of its own until the phase ends; their answers are counted,
 
 The gateway runs with SANDGATE_GATEWAY_MEMORY_MB=1024, the limit deploy/ ships. Reported: the gateway's RSS (at rest, peak of each phase, the hostile peak over the quiet one), the
 ordinary clients' ``print`` round trip p50/p99 in each phase and their ratio, every failure an ordinary
-client saw, and each attack's answers. Goals (issue 29): under +256 MiB, p99 within 3x of quiet, zero
+client saw, and each attack's answers. Goals: under +256 MiB, p99 within 3x of quiet, zero
 ordinary failures. The bench fails (exit 1) only when it could not run, or the gateway died.
 """
 
@@ -37,13 +37,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .kernels import BenchError, SandgateTarget, _default_home, conclude, preflight, progress, runsc_version
+from .harness import BenchError, conclude, default_home, preflight, progress, runsc_version
+from .targets import SandgateTarget
 from .load import connect_all, load
 
 GOAL_RSS_MB = 256
 GATEWAY_MEMORY_MB = 1024
 GOAL_P99_RATIO = 3.0
-HALF_OPEN = 2000  # the bench's own descriptors bound it; the red-team reached 21,000
+HALF_OPEN = 2000  # the bench's own descriptors bound it; a client with more can open ten times as many
 UPSTREAM_HOST = "127.0.0.3"  # an allowed egress host on the host's loopback (not the sandbox's)
 ALLOWED, REFUSED = "allowed.hostile.test", "refused.hostile.test"
 ATTACKS = ("gzip", "heads", "half_open", "tokens", "downloads", "websockets", "execute")
@@ -401,7 +402,7 @@ def run(args) -> int:
         print("sandgate bench: --hostile-seconds must be above 0, --hostile-sandboxes at least 1 and "
               f"--hostile-attacks some of {','.join(ATTACKS)}", file=sys.stderr)
         return 2
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-hostile-"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, HALF_OPEN * 2 + 1024)), hard))

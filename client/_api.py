@@ -23,7 +23,7 @@ RUN_GRACE = 30.0  # past a cell's timeout: the gateway interrupts it and answers
 # An execute whose node went away (503 "unavailable", a dropped connection) is sent again with the same
 # execution id, which the gateway runs at most once: this many more tries, waits doubling up to RETRY_MAX_WAIT.
 # 8 tries wait 23.5 s in all: longer than a fleet takes to give up on a dead node (its heartbeat's 10 s TTL)
-# and restore its sandbox elsewhere, so a kill -9 of the node is ridden out (4 tries, 7.5 s, were not).
+# and restore its sandbox elsewhere, so a kill -9 of the node is ridden out (4 tries, 7.5 s, would not be).
 RETRIES = 8
 RETRY_FIRST_WAIT, RETRY_MAX_WAIT = 0.5, 4.0
 

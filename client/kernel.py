@@ -13,7 +13,7 @@ import websocket
 
 from . import _api as api
 from . import _wire as wire
-from ._wire import V1, output_of  # noqa: F401 (public here, as before)
+from ._wire import V1, output_of  # noqa: F401 (public here too: callers import them from this module)
 from .errors import AuthError, NotFound, SandgateError, Timeout, Unavailable, error_from
 from .models import Execution
 

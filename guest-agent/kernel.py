@@ -138,9 +138,9 @@ def _load_jedi(completer) -> None:
 def _jedi_later() -> None:
     """IPython's completer, loaded without jedi (``_lean_imports``), imports
     it at its first completion and completes with it, as it would have.
-    Nothing if jedi is not installed (IPython's own completions, as before) or
+    Nothing if jedi is not installed (IPython's own completions, as unpatched) or
     was loaded anyway; an IPython without the method wrapped here gets jedi
-    now, as before."""
+    imported here and now, as an unpatched kernel has it."""
     import importlib.util
 
     from IPython.core import completer
@@ -262,8 +262,8 @@ def _direct_iopub() -> None:
     """ipykernel hands every IOPub message from the kernel's main thread to
     its IOPub thread, which sends it: a wake-up through a ZMQ pipe and a GIL
     hand-off while the main thread runs the cell, several ms per message in
-    a gVisor sandbox (the busy status reached the agent 10 ms after it was
-    made). The main thread now sends itself when the IOPub thread has
+    a gVisor sandbox (measured there: the busy status reaching the agent 10 ms
+    after it was made). So the main thread sends itself when the IOPub thread has
     nothing queued and is not running anything: then no message made
     earlier can still be waiting there, so the order on IOPub is the one
     the kernel made them in. A lock keeps the two threads from using the
@@ -310,9 +310,9 @@ def _abort_only_what_has_arrived() -> None:
     requests already waiting and ends the abort from a timer of
     ``stop_on_error_timeout`` (0 s by default). A timer runs after the ready
     descriptors of the loop's next pass: a request the client sent on seeing
-    the failed cell's idle status, if it is in the pipe by then, was aborted
-    too ("aborted", no output). Over the pipe that takes a stall of a
-    millisecond or two right after the idle, and CI saw it. As later ipykernels
+    the failed cell's idle status, if it is in the pipe by then, is aborted
+    too ("aborted", no output). Over the pipe that takes only a stall of a
+    millisecond or two right after the idle, which a loaded host gives. As later ipykernels
     do, with no timeout the end of the abort is queued at once, behind
     exactly the requests the flush has just taken."""
     import ipykernel

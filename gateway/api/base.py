@@ -61,7 +61,7 @@ class AuthMixin:
         except FleetAuthError as e:
             log.warning("%s %s: refused a forwarded request: %s", self.request.method, self.request.path, e)
             return None
-        if not who.admin and await self.settings["service"].manager.store.get_tenant(who.tenant) is None:
+        if not who.admin and not await self.settings["service"].tenant_exists(who.tenant):
             return None  # deleted since the other node checked its token
         self.forwarded = True
         return who

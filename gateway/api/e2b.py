@@ -295,13 +295,13 @@ class SandboxesHandler(E2BHandler):
         labels = {**body.metadata, TEMPLATE_LABEL: body.templateID}
         req = {"env": body.envVars, "labels": labels, "ttl": self.lifetime(body.timeout)}
         template = body.templateID
-        if template in self.service.manager.drivers:
+        if template in self.service.driver_names():
             req["driver"] = template  # a template named after a driver picks it: "gvisor", "qemu"
         elif template not in (DEFAULT_TEMPLATE, "code-interpreter-v1", "code-interpreter", "base-v1"):
             cp = self.snapshot(template)
             if cp is None:
                 raise NotFound(f"template '{template}' not found: Sandgate knows 'base', 'code-interpreter-v1', "
-                               f"a driver name ({', '.join(self.service.manager.drivers)}) or a snapshot id")
+                               f"a driver name ({', '.join(self.service.driver_names())}) or a snapshot id")
             req["checkpoint"] = cp.id
         sb = await self.service.start(StartRequest(**req), self.who)
         self.reply(self.sandbox_json(sb), 201)

@@ -28,7 +28,7 @@ class DrainHandler(FleetHandler):
     async def post(self):
         fleet = self.fleet()
         steps = fleet.drain()
-        first = await steps.__anext__() if fleet.manager.sandboxes else None  # a Conflict is still a JSON error
+        first = await steps.__anext__() if self.service.list(self.who) else None  # a Conflict is still a JSON error
         self.set_header("Content-Type", "application/x-ndjson")
         moved = failed = 0
         step = first

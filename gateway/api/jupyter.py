@@ -9,7 +9,6 @@ Sessions are store records, shared by a fleet and kept across restarts.
 
 from __future__ import annotations
 
-import uuid
 from typing import Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -17,9 +16,6 @@ from tornado import httpclient, web
 
 from .. import __version__
 from ..core.errors import NotFound
-from ..core.messages import iso_epoch
-from ..core.record import NotebookSessionRecord, SandboxRecord
-from ..core.states import State
 from ..core.service import StartRequest
 from ..core.tenants import Principal
 from .base import APIHandler, error, not_found
@@ -116,85 +112,45 @@ class KernelActionHandler(APIHandler):
         self.reply((await self.service.restart(kernel_id, self.who)).model())
 
 
-def record_model(rec: SandboxRecord) -> dict:
-    """The Jupyter kernel model of a kernel on another node, from its record
-    (no live activity or connection count here: its node has those)."""
-    m = {"id": rec.id, "name": rec.kernel_name, "last_activity": iso_epoch(rec.created),
-         "execution_state": "idle" if rec.state == State.RUNNING else rec.state.value, "connections": 0,
-         "driver": rec.driver, "created": iso_epoch(rec.created), "node": rec.node}
-    if rec.expires:
-        m["expires"] = iso_epoch(rec.expires)
-    if rec.reason:
-        m["reason"] = rec.reason
-    return m
+class NodeKernels:
+    """Starting and deleting the kernels sessions are bound to, for one request: a kernel
+    on another node of a fleet is deleted there (core/sessions.py's ``Kernels``)."""
 
+    def __init__(self, handler: APIHandler):
+        self.handler = handler
 
-class SessionsHandler(APIHandler):
-    """jupyter_server's sessions: a notebook path bound to a kernel, kept as
-    records of the session store (store/base.py), so every node of a fleet
-    answers for all of them and a restarted gateway still has them. Each
-    belongs to the tenant that made it ("" for the admin): a tenant sees its
-    own only, the admin all."""
+    async def start(self, name: Optional[str]) -> str:
+        if name and not self.handler.service.has_kernelspec(name):
+            raise error(501, f"The '{name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
+        return (await start_kernel(self.handler, name, None)).id
 
-    @property
-    def store(self):
-        return self.service.manager.store
-
-    async def kernel_model(self, kernel_id: str) -> Optional[dict]:
-        """The kernel's model, wherever it runs; None if it is gone or dead."""
-        sb = self.service.manager.sandboxes.get(kernel_id)
-        if sb is not None:
-            return None if sb.state == State.DEAD else sb.model()
-        rec = await self.store.get(kernel_id)
-        return None if rec is None or rec.state == State.DEAD else record_model(rec)
-
-    async def model(self, s: NotebookSessionRecord) -> Optional[dict]:
-        """The session's answer; None (and the record removed) once its kernel
-        was deleted, culled or found dead."""
-        kernel = await self.kernel_model(s.kernel_id)
-        if kernel is None:
-            await self.store.delete_session(s.id)
-            return None
-        return {"id": s.id, "path": s.path, "name": s.name, "type": s.type, "kernel": kernel,
-                "notebook": {"path": s.path, "name": s.name}}
-
-    async def live(self) -> List[dict]:
-        records = await self.store.list_sessions(None if self.who.admin else self.who.owner)
-        return [m for m in [await self.model(s) for s in records] if m is not None]
-
-    async def check_kernel(self, kernel_id: str) -> None:
-        """A kernel the caller may bind a session to, on any node."""
-        if kernel_id in self.service.manager.sandboxes:
-            kernel(self, kernel_id)
-            return
-        rec = await self.store.get(kernel_id)
-        if rec is None or not self.who.sees(rec.owner):
-            raise not_found(f"Kernel does not exist: {kernel_id}")
-
-    async def delete_kernel(self, kernel_id: str) -> None:
-        """Stop the kernel on its own node (forwarded there if not this one)."""
-        fleet = self.settings.get("fleet")
-        peer = await fleet.locate(kernel_id, self.who) if fleet is not None else None
+    async def delete(self, kernel_id: str) -> None:
+        h = self.handler
+        fleet = h.settings.get("fleet")
+        peer = await fleet.locate(kernel_id, h.who) if fleet is not None else None
         if peer is None:
             try:
-                await self.service.delete(kernel_id, self.who)
+                await h.service.delete(kernel_id, h.who)
             except NotFound:
                 pass
             return
         uri = f"/api/kernels/{kernel_id}"
         r = await httpclient.AsyncHTTPClient().fetch(
-            peer.url.rstrip("/") + uri, method="DELETE", headers=headers_for(self, peer, "DELETE", uri),
+            peer.url.rstrip("/") + uri, method="DELETE", headers=headers_for(h, peer, "DELETE", uri),
             raise_error=False, request_timeout=60)
         if r.code not in (204, 404):
             raise error(502, f"could not delete kernel {kernel_id} on its node ({peer.url}): HTTP {r.code}")
 
-    async def new_kernel(self, name: Optional[str]) -> str:
-        if name and name not in self.service.manager.specs.specs:
-            raise error(501, f"The '{name}' kernel is not available. Please pick another suitable kernel instead, or install that kernel.")
-        return (await start_kernel(self, name, None)).id
+
+class SessionsHandler(APIHandler):
+    """jupyter_server's sessions (core/sessions.py keeps them)."""
+
+    @property
+    def sessions(self):
+        return self.service.sessions
 
     async def get(self):
-        self.reply(await self.live())
+        self.reply(await self.sessions.list(self.who))
 
     async def post(self):
         body = self.body(SessionCreate)
@@ -205,69 +161,26 @@ class SessionsHandler(APIHandler):
         kind = body.type or ("notebook" if extra.get("notebook") else None)
         if not kind:
             raise error(400, "Missing field in JSON data: type")
-        # jupyter_server answers a POST for a path that has a session with that session.
-        existing = await self.store.session_by_path(self.who.owner, path)
-        m = await self.model(existing) if existing else None
-        if m is not None:
-            return self.reply(m, 201)
         spec = body.kernel or SessionKernel()
-        if spec.id:
-            await self.check_kernel(spec.id)
-            kid = spec.id
-        else:
-            kid = await self.new_kernel(spec.name)
-        rec = NotebookSessionRecord(id=str(uuid.uuid4()), owner=self.who.owner, path=path, name=body.name or "",
-                                    type=kind, kernel_id=kid)
-        if not await self.store.put_session(rec):
-            # Another request (on any node) took the path meanwhile: answer with its session.
-            if not spec.id:
-                await self.delete_kernel(kid)
-            existing = await self.store.session_by_path(self.who.owner, path)
-            m = await self.model(existing) if existing else None
-            if m is None:
-                raise error(409, f"Path {path} is taken by another session")
-            return self.reply(m, 201)
-        self.set_header("Location", f"/api/sessions/{rec.id}")
-        self.reply(await self.model(rec), 201)
+        m = await self.sessions.create(self.who, NodeKernels(self), path, kind, body.name or "",
+                                       kernel_id=spec.id, kernel_name=spec.name)
+        self.set_header("Location", f"/api/sessions/{m['id']}")
+        self.reply(m, 201)
 
 
 class SessionHandler(SessionsHandler):
-    async def session(self, sid) -> NotebookSessionRecord:
-        s = await self.store.get_session(sid)
-        if s is None or not self.who.sees(s.owner) or await self.kernel_model(s.kernel_id) is None:
-            if s is not None and self.who.sees(s.owner):
-                await self.store.delete_session(sid)  # its kernel is gone
-            raise not_found(f"Session not found: {sid}")
-        return s
-
     async def get(self, sid):
-        self.reply(await self.model(await self.session(sid)))
+        self.reply(await self.sessions.get(sid, self.who))
 
     async def patch(self, sid):
-        s = await self.session(sid)
         body = self.body(SessionCreate)
         changes = {k: getattr(body, k) for k in ("path", "name", "type") if getattr(body, k) is not None}
-        old_kernel = None
-        if body.kernel and body.kernel.id:
-            await self.check_kernel(body.kernel.id)
-            changes["kernel_id"] = body.kernel.id
-        elif body.kernel and body.kernel.name:
-            old_kernel = s.kernel_id
-            changes["kernel_id"] = await self.new_kernel(body.kernel.name)
-        new = s.model_copy(update=changes)
-        if not await self.store.put_session(new):
-            if old_kernel:
-                await self.delete_kernel(new.kernel_id)
-            raise error(409, f"Path {new.path} is taken by another session; "
-                             "delete that session first or pick another path")
-        if old_kernel:
-            await self.delete_kernel(old_kernel)
-        self.reply(await self.model(new))
+        kernel = body.kernel or SessionKernel()
+        self.reply(await self.sessions.update(sid, self.who, NodeKernels(self), changes,
+                                              kernel_id=kernel.id, kernel_name=kernel.name))
 
     async def delete(self, sid):
-        s = await self.session(sid)
-        await self.store.delete_session(sid)
-        await self.delete_kernel(s.kernel_id)
+        await self.sessions.delete(sid, self.who, NodeKernels(self))
         self.set_status(204)
         self.finish()
 

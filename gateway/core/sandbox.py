@@ -579,7 +579,7 @@ class Sandbox:
     async def _runs_on(self) -> Optional[str]:
         """After a checkpoint the driver failed: None if the sandbox really runs on (its
         runtime is up and its agent answers), else why not. A runsc can fail a checkpoint
-        and kill its sandbox with it (one io_uring descriptor did: issue 29, finding 6),
+        and kill its sandbox with it (an open io_uring descriptor is enough),
         its shim not yet gone when the error comes back: the answer must say which."""
         runtime, link = self.runtime, self.link
         if runtime is None or link is None:

@@ -31,6 +31,7 @@ from .manager import SandboxManager
 from .messages import utcnow
 from .record import TenantRecord
 from .sandbox import Sandbox
+from .sessions import NotebookSessions
 from .states import State
 from .tenants import ADMIN, Principal, TenantCreate, TenantModel, Tenants
 
@@ -170,6 +171,7 @@ class SandboxService:
         self._pending: Dict[str, tuple] = {}  # sandbox id -> (tenant, memory_mb) of starts in flight
         # One checkpoint at a time per tenant with a storage quota: each counts what the one before stored.
         self._storing: Dict[str, asyncio.Lock] = {}
+        self.sessions = NotebookSessions(manager.store, lambda kid: manager.sandboxes.get(kid))
 
     # -- reading -------------------------------------------------------------------
     def get(self, sandbox_id: str, who: Principal = ADMIN) -> Sandbox:
@@ -183,6 +185,15 @@ class SandboxService:
 
     def kernelspecs(self) -> dict:
         return self.manager.specs.model()
+
+    def has_kernelspec(self, name: str) -> bool:
+        return name in self.manager.specs.specs
+
+    def driver_names(self) -> List[str]:
+        return list(self.manager.drivers)
+
+    async def tenant_exists(self, name: str) -> bool:
+        return await self.manager.store.get_tenant(name) is not None
 
     def kernelspec(self, name: str) -> dict:
         try:

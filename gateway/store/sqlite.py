@@ -57,7 +57,7 @@ class SQLiteStore(SessionStore):
         self.node = node
         path.parent.mkdir(parents=True, exist_ok=True)
         # 0600 before SQLite opens it: its -wal and -shm files are created with the database's mode
-        # (they held 0644 copies of every record, secret values included, under a umask of 022).
+        # (under a umask of 022 they would be 0644 copies of every record, secret values included).
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         path.chmod(0o600)
         self.db = sqlite3.connect(str(path), isolation_level=None)  # autocommit; one statement each

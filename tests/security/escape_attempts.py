@@ -1,4 +1,4 @@
-"""The escape and abuse suite's attempts (issue 12, item 5), as data: each is Python a cell runs inside
+"""The escape and abuse suite's attempts, as data: each is Python a cell runs inside
 the attacking sandbox, ending with one line `BLOCKED <detail>` or `ESCAPED <detail>`. test_escape.py
 runs every one against each driver; test_escape_table.py checks docs/security.md's table against them.
 

@@ -1,4 +1,4 @@
-"""Issue 11, finding 7: the files API must not make the agent (root inside the
+"""The files API must not make the agent (root inside the
 sandbox, with CAP_DAC_OVERRIDE) a deputy for the code it serves.
 
 A racer inside swaps a workspace directory for a symlink to /proc/1 (or to a
@@ -62,7 +62,7 @@ race_thread.start()
 
 
 def test_a_racing_symlink_swap_never_leaks_root_only_files(gw, sb):
-    """Finding 7 as reported: before the fix, some of these reads returned
+    """A read through a swapped directory that followed the symlink would return
     /proc/1/exe (an ELF binary), the agent's environment or a 0600 file."""
     ex(gw, sb, RACER % {"names": BENIGN, "limit": 120})
     statuses, leaks, reads = {}, [], 0

@@ -1,7 +1,7 @@
-"""Issue 11, finding 10: a cell cannot wedge its own sandbox by sending
+"""A cell cannot wedge its own sandbox by sending
 malformed messages on the kernel's sockets; restart always recovers. And the
-kernel and everything it starts run with no_new_privs (finding 8's in-guest
-part): setuid binaries inside do not elevate.
+kernel and everything it starts run with no_new_privs: setuid binaries inside
+do not elevate.
 
 Real sandboxes behind a real gateway, for every driver the agent runs in,
 plus the agent on its own for what the gateway does not reach (exec)."""
@@ -164,12 +164,12 @@ def test_commands_the_agent_runs_cannot_gain_privileges(host_agent):
 
 
 def test_copies_of_one_checkpoint_get_their_own_kernel_session_and_randomness(gw, sb):
-    """Finding 11e: every sandbox restored from one checkpoint (the warm-start
-    template, forks) had that checkpoint's ipykernel session id in its
-    messages' headers; setup now gives each its own. In a VM the copies' kernel
-    random generators also resumed identical, so the ids setup drew, and its
-    reseed of `random`, were the same in every copy: the agent has the guest
-    kernel reseed at the restore."""
+    """Every sandbox restored from one checkpoint (the warm-start template,
+    forks) would carry that checkpoint's ipykernel session id in its messages'
+    headers; setup gives each its own. In a VM the copies' kernel random
+    generators also resume identical, so the ids setup draws, and its reseed of
+    `random`, would be the same in every copy: the agent has the guest kernel
+    reseed at the restore."""
     ask = "import random; print(get_ipython().kernel.session.session, random.random())"
     own = ex(gw, sb, ask)["stdout"].split()
     r = gw.request("POST", f"/api/sandboxes/{sb}/checkpoints", {})

@@ -1,6 +1,6 @@
-"""Red-team finding 9 (issue 11): one open /dev/net/tun made this runsc panic
-at the next checkpoint, and the sandbox was reported as "exited with status
-0". Devices the sandbox does not need are hidden; a checkpoint still works."""
+"""One open /dev/net/tun makes this runsc panic at the next checkpoint, and the
+sandbox would be reported as "exited with status 0". Devices the sandbox does
+not need are hidden; a checkpoint still works."""
 
 from __future__ import annotations
 

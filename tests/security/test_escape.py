@@ -1,4 +1,4 @@
-"""The escape and abuse suite (issue 12, item 5): every attempt in escape_attempts.py, from inside a
+"""The escape and abuse suite: every attempt in escape_attempts.py, from inside a
 sandbox (or through the files API at it), against each driver. Each asserts that the attack fails and
 that the gateway and a second sandbox stay healthy: the gateway answers GET /api, the second sandbox
 answers 1+1 and its workspace is exactly what it was.

@@ -1,5 +1,5 @@
-"""Red-team findings 3, 5 and 11 (issue 11): what a sandbox or a client can
-make the gateway itself hold. Real gateway, real gVisor sandboxes."""
+"""What a sandbox or a client can make the gateway itself hold, and its
+bounds. Real gateway, real gVisor sandboxes."""
 
 from __future__ import annotations
 

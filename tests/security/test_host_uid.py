@@ -1,4 +1,4 @@
-"""Issue 11, finding 1: a sandbox must not hand a host user the uid of a real
+"""A sandbox must not hand a host user the uid of a real
 account. A cell copies /usr/bin/id into /workspace and makes it setuid and
 setgid; on the host that file belongs to a uid no account or group has, sits
 behind a 0700 root directory, on a nosuid mount: run by `nobody` it gives

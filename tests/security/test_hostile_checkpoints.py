@@ -1,11 +1,11 @@
-"""Issue 29, findings 13 and 14: checkpoint storage a tenant can be made to pay for, and can free.
+"""Checkpoint storage a tenant can be made to pay for, and can free.
 
-13: a tenant's checkpoints are bounded by its quota (max_checkpoint_mb), refused with 413 `quota` naming
+Quota: a tenant's checkpoints are bounded by its quota (max_checkpoint_mb), refused with 413 `quota` naming
 it and storing nothing; a checkpoint can be deleted (DELETE /api/sandboxes/{id}/checkpoints/{cp}): 409
 `in_use` while a fork from it, the sandbox's newest or a sandbox resuming from it needs it; otherwise
 what only it stored goes and what other checkpoints share stays.
-14: hard links are stored once and restored as links: a file with ten names in a small workspace
-checkpoints as one file, and its fork fits that workspace (it used to fail with ENOSPC).
+Hard links: stored once and restored as links, so a file with ten names in a small workspace
+checkpoints as one file, and its fork fits that workspace (stored as ten files it gets ENOSPC).
 
 Real gateway, real gVisor sandboxes (unit tests of the store: tests/test_checkpoint_store.py)."""
 
@@ -141,8 +141,8 @@ def test_a_running_state_past_the_quota_is_refused_after_it_is_measured_and_remo
 
 
 def test_hard_links_are_kept_and_the_fork_fits_its_small_workspace(gw):
-    """Finding 14 as reported, scaled down: 20 MB with nine more names in a 64 MB workspace was 200 MB
-    in the checkpoint, and the fork's restore ran out of space."""
+    """Scaled down: 20 MB with nine more names in a 64 MB workspace, which stored name by name would be
+    200 MB in the checkpoint and run the fork's restore out of space."""
     sid = create(gw, None, limits={"disk_mb": 64})
     ex(gw, None, sid, WRITE.format(name="big", seed=5, size=20 * MiB)
        + "import os\nos.makedirs('/workspace/names')\nfor i in range(9):\n    os.link('/workspace/big', f'/workspace/names/{i}')")

@@ -1,8 +1,8 @@
-"""Red-team finding 3 (issue 29): unauthenticated descriptor exhaustion. Half-open
-requests were held for an hour (tornado's default header timeout) with no cap on
-connections: ~21,000 of them took the gateway to its descriptor limit, `GET /api`
-and a checkpoint timed out, and each failed accept logged a traceback (91 MB in a
-minute). Now (gateway/connections.py): headers and bodies have deadlines, the
+"""Unauthenticated descriptor exhaustion. With tornado's defaults a half-open
+request is held for an hour and connections have no cap: ~21,000 of them take
+the gateway to its descriptor limit, `GET /api` and a checkpoint time out, and
+each failed accept logs a traceback (91 MB in a minute). So
+(gateway/connections.py): headers and bodies have deadlines, the
 connections still HTTP are capped in total and per client address (503 over
 either), websockets leave the count at their upgrade, and accept errors are
 logged at a bounded rate while accepting pauses.

@@ -1,5 +1,5 @@
-"""Red-team findings 12, 15 and 16 (issue 29), at the API's edges: credentials in log lines, labels
-without a bound, and file names and trees that gave a 500 (or a minute of work first). One real
+"""Hazards at the API's edges: credentials in log lines, labels without a bound, and file names and
+trees that could give a 500 (or a minute of work first). One real
 gateway with gVisor sandboxes for the module; every refusal is a 4xx that names its limit."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run(gw, sid, code):
     return r.json()["stdout"]
 
 
-# -- finding 12: no credential in any log line ------------------------------------------------
+# -- no credential in any log line ------------------------------------------------------------
 def test_no_log_line_carries_a_credential(gw):
     tenant = gw.request("POST", "/api/tenants", {"name": "edges"}).json()["token"]
     missing = str(uuid.uuid4())
@@ -72,7 +72,7 @@ def test_no_log_line_carries_a_credential(gw):
         assert secret not in log, [line for line in log.splitlines() if secret in line]
 
 
-# -- finding 15: labels are bounded ----------------------------------------------------------
+# -- labels are bounded ----------------------------------------------------------------------
 def test_labels_and_metadata_are_bounded(gw, sb):
     before = len(gw.request("GET", "/api/sandboxes").json())
     for labels, limit in (({str(i): "x" for i in range(65)}, "at most 64"),
@@ -97,7 +97,7 @@ def test_labels_and_metadata_are_bounded(gw, sb):
     gw.request("DELETE", f"/api/sandboxes/{r.json()['sandboxID']}")
 
 
-# -- finding 16: file names, deep and wide trees -------------------------------------------------
+# -- file names, deep and wide trees ---------------------------------------------------------
 def test_a_name_past_the_file_systems_limit_is_a_400(gw, sb):
     long, ok = "n" * 300, "m" * 250
     for method, body in (("PUT", b"x"), ("GET", None), ("DELETE", None)):  # the PUT makes d/

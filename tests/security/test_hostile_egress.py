@@ -1,5 +1,5 @@
-"""Red-team finding 2 (issue 29): code in a sandbox grew the gateway's memory through the egress proxy,
-whose mitmproxy read a whole request head before any hook, with no limit, and forwarded it upstream.
+"""Code in a sandbox must not grow the gateway's memory through the egress proxy: unbounded, its
+mitmproxy reads a whole request head before any hook and forwards it upstream.
 
 End to end: a real gateway and a real gVisor sandbox whose cell writes huge heads on a raw socket to its
 HTTP(S)_PROXY (plain HTTP, and inside TLS after a CONNECT), real upstream servers on 127.0.0.3/.4 that

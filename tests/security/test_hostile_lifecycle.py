@@ -1,17 +1,18 @@
-"""Issue 29, the lifecycle findings (6, 9, 10, 11), against a real gateway and
-real gVisor sandboxes: each test failed on 293f311.
+"""Lifecycle races and failures a hostile user can provoke, against a real gateway
+and real gVisor sandboxes.
 
-- 6: an io_uring descriptor made the next checkpoint kill the sandbox while the
-  answer said it ran on. io_uring is refused now, and a checkpoint that fails
-  answers what became of the sandbox (a runsc that kills it, played by a wrapper).
-- 9: a SIGKILL of the gateway mid-resume brought a paused sandbox back dead, one
-  mid-DELETE brought it back dead instead of gone; a resume (or restart) that lost
-  a race to a DELETE answered 200 "deleted" (or 500).
-- 10: a pause while `POST .../execute` waited answered "timeout" at twice the
-  timeout with nothing said; the cell's output now arrives across a pause and
+- io_uring: an io_uring descriptor makes this runsc's next checkpoint kill the
+  sandbox, so io_uring is refused, and a checkpoint that fails answers what
+  became of the sandbox (a runsc that kills it, played by a wrapper), never
+  that it runs on.
+- kills and races: a SIGKILL of the gateway mid-resume brings a paused sandbox
+  back paused, not dead; one mid-DELETE leaves it gone, not dead; a resume (or
+  restart) that loses a race to a DELETE is a 404, not 200 "deleted" or a 500.
+- execute across a pause: a pause while `POST .../execute` waits must not end
+  the call in a silent timeout; the cell's output arrives across the pause and
   resume, and a call whose sandbox is still paused at its deadline says so.
-- 11: a PATCH of /egress that failed (503) still changed the record, and on a
-  dead sandbox it answered 200.
+- egress: a PATCH of /egress that fails (503) leaves the record as it was, and
+  on a dead sandbox it is a 409.
 
 The windows for a kill or a race are made, never waited out: the sandbox's shim
 is stopped (SIGSTOP), so a DELETE waits in its teardown (up to 10 s, the
@@ -120,7 +121,7 @@ class StuckDelete:
             pass
 
 
-# -- finding 6 -------------------------------------------------------------------------
+# -- io_uring and a checkpoint that kills the sandbox -----------------------------------
 IO_URING = """
 import ctypes, errno
 libc = ctypes.CDLL(None, use_errno=True)
@@ -138,7 +139,7 @@ def test_io_uring_is_refused_and_checkpoints_go_on(gw):
     sid = create(gw)
     try:
         out = execute(gw, sid, IO_URING)
-        assert out["stdout"] == "-1 EPERM, -1 EPERM, -1 EPERM\n", out  # on 293f311: "43 0, -1 EBADF, -1 ENOSYS"
+        assert out["stdout"] == "-1 EPERM, -1 EPERM, -1 EPERM\n", out  # allowed, it answers "43 0, -1 EBADF, -1 ENOSYS"
         r = gw.request("POST", f"/api/sandboxes/{sid}/checkpoints", {})
         assert r.status == 201, r.body
         assert state(gw, sid)["state"] == "running"
@@ -167,7 +168,7 @@ def test_a_checkpoint_that_kills_the_sandbox_answers_that_it_died(gw):
         gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
-# -- finding 9 -------------------------------------------------------------------------
+# -- kills and races around resume and delete -------------------------------------------
 def test_a_resume_or_restart_that_loses_a_race_to_a_delete_is_a_404(gw):
     sid = create(gw)
     stuck = StuckDelete(gw, sid)  # the DELETE has killed the sandbox and waits for its shim
@@ -264,7 +265,7 @@ def test_a_gateway_killed_mid_delete_finishes_the_delete_at_its_next_start(home,
         g2.stop()
 
 
-# -- finding 10 ------------------------------------------------------------------------
+# -- an execute across a pause ------------------------------------------------------------
 CELL = ("import os, time\nprint('before', flush=True)\nopen('started', 'w').close()\n"
         "while not os.path.exists('go'):\n    time.sleep(0.05)\nos.remove('go')\nos.remove('started')\nprint('after')")
 
@@ -305,7 +306,7 @@ def test_an_execute_waits_across_a_pause_and_resume_and_says_so_when_still_pause
         gw.request("DELETE", f"/api/sandboxes/{sid}")
 
 
-# -- finding 11 ------------------------------------------------------------------------
+# -- a failed or refused egress patch ------------------------------------------------------
 SQUAT = ("import socket\nsquat = socket.socket()\nsquat.bind(('127.0.0.1', 3128))\nsquat.listen()\n"
          "print('squatting')")
 

@@ -1,4 +1,4 @@
-"""Issue 29: the gateway holds when its clients and sandboxes are hostile, in bounded memory.
+"""The gateway holds when its clients and sandboxes are hostile, in bounded memory.
 Real gateway, real gVisor sandboxes, real HTTP and websocket clients; the gateway's RSS read
 with psutil as test_gateway_bounds.py does."""
 
@@ -111,7 +111,7 @@ def gzip_of_zeros(n: int) -> bytes:
 
 
 def test_a_gzip_bomb_is_refused_as_it_inflates_not_after(gw, e2b_box):
-    """Finding 1: a 1 MB gzip body of zeros took the gateway from 152 MB to 2.2 GB and a 500."""
+    """Inflated whole, a 1 MB gzip body of zeros takes the gateway from 152 MB to 2.2 GB and a 500."""
     sid, headers = e2b_box
     bomb = gzip_of_zeros(300 * MiB)
     assert len(bomb) < MiB
@@ -134,7 +134,7 @@ def test_a_gzip_bomb_is_refused_as_it_inflates_not_after(gw, e2b_box):
 
 
 def test_file_reads_travel_in_chunks_a_client_that_does_not_read_holds_one(gw, sid):
-    """Finding 5: 4 GETs of a 250 MiB file whose clients did not read: +1.25 GB."""
+    """Read whole, 4 GETs of a 250 MiB file whose clients do not read would hold +1.25 GB."""
     size = 200 * MiB
     r = gw.request("POST", f"/api/sandboxes/{sid}/execute", {"timeout": 300, "code": (
         "import hashlib, os\nh = hashlib.sha256()\nwith open('big.bin', 'wb') as f:\n"
@@ -176,7 +176,7 @@ def test_file_reads_travel_in_chunks_a_client_that_does_not_read_holds_one(gw, s
 
 
 def test_an_execute_body_past_its_bound_is_refused_before_it_is_read(gw, sid):
-    """Finding 5: 3 execute calls with 60 MiB bodies: +857 MB."""
+    """Read before any check, 3 execute calls with 60 MiB bodies would hold +857 MB."""
     body = json.dumps({"code": "#" + "x" * (60 * MiB)}).encode()
     results = []
 
@@ -201,7 +201,7 @@ def test_an_execute_body_past_its_bound_is_refused_before_it_is_read(gw, sid):
 
 
 def test_past_the_budget_new_requests_get_503_with_retry_after(gw, e2b_box):
-    """Finding 5: one budget of what the gateway holds for clients, with a gauge; past it, 503."""
+    """One budget of what the gateway holds for clients, with a gauge; past it, 503."""
     assert gw.metrics()[("sandgate_client_bytes_limit", ())] == BUDGET_MB * MiB
     head = (f"POST /api/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: token {gw.token}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {60 * MiB}\r\n")
@@ -225,7 +225,7 @@ def test_past_the_budget_new_requests_get_503_with_retry_after(gw, e2b_box):
 
 
 def test_a_kernel_takes_a_bounded_number_of_websockets(gw, sid):
-    """Finding 5: 20 websocket clients of one kernel that did not read: +369 MB. Past
+    """Unbounded, 20 websocket clients of one kernel that do not read would hold +369 MB. Past
     SANDGATE_MAX_CLIENTS_PER_KERNEL a websocket is refused, saying why."""
     url = f"ws://127.0.0.1:{gw.port}/api/kernels/{sid}/channels?token={gw.token}"
     clients = [websocket.create_connection(url, timeout=60) for _ in range(CLIENTS)]
@@ -255,7 +255,7 @@ def _connect_or_none(url):
 
 
 def test_uploads_travel_in_chunks_and_a_broken_one_leaves_nothing(gw, sid):
-    """Finding 5, the other way: an upload's body reaches the sandbox a chunk at a time."""
+    """The other way: an upload's body reaches the sandbox a chunk at a time, never whole in the gateway."""
     size = 60 * MiB
     data = bytes(range(256)) * (size // 256)
     results = []
@@ -289,7 +289,7 @@ def test_uploads_travel_in_chunks_and_a_broken_one_leaves_nothing(gw, sid):
 
 
 def test_websockets_that_do_not_read_go_once_their_output_spends_the_budget(gw, sid):
-    """Finding 5: unsent websocket output is on the budget too. Each of these clients stays
+    """Unsent websocket output is on the budget too. Each of these clients stays
     under its own bound (SANDGATE_CLIENT_BUFFER_MB, 32), together they pass the gateway's."""
     url = f"ws://127.0.0.1:{gw.port}/api/kernels/{sid}/channels?token={gw.token}"
     clients = []

@@ -1,8 +1,8 @@
-"""Red-team finding 4 (issue 29): unauthenticated scrypt amplification. Every
-made-up ``sgt.<name>.<x>`` token cost the gateway one scrypt (~40 ms of CPU), so
-a few hundred requests kept both cores busy and held a real tenant's first
-request for seconds. Tenant tokens are 32 random bytes: they are hashed with a
-keyed HMAC now, and a bogus token costs what any 401 costs. Records hashed with
+"""Unauthenticated hashing amplification. Were every made-up ``sgt.<name>.<x>``
+token to cost the gateway one scrypt (~40 ms of CPU), a few hundred requests
+would keep both cores busy and hold a real tenant's first request for seconds.
+Tenant tokens are 32 random bytes: they are hashed with a keyed HMAC, and a
+bogus token costs what any 401 costs. Records hashed with
 scrypt still work: checked once, then rewritten with the HMAC.
 
 The real gateway and real sockets, measured relative to a baseline taken in the

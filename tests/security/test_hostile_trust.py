@@ -1,5 +1,5 @@
-"""Red-team findings of issue 29 about trust: MCP sessions restoring each other's checkpoints
-(finding 7) and the session store's files and secret values at rest (findings 8 and 18). Real
+"""Trust between callers and at rest: MCP sessions must not restore each other's checkpoints, and
+the session store's files and secret values at rest must be unreadable to others. Real
 gateways with gVisor sandboxes, the real MCP client library, a real redis-server; the fleet's
 node-to-node forwarding is in test_hostile_trust_fleet.py (it starts fleets: slow)."""
 
@@ -35,7 +35,7 @@ def text(result) -> str:
 
 @pytest.fixture
 def mcp_http(trust_gw, tmp_path):
-    """``sandgate mcp --transport http`` with the gateway's admin token: what the red team ran."""
+    """``sandgate mcp --transport http`` with the gateway's admin token: one server shared by sessions."""
     port = free_port()
     log = open(tmp_path / "mcp-http.log", "w")
     env = {**os.environ, "SANDGATE_URL": trust_gw.url, "SANDGATE_TOKEN": trust_gw.token}
@@ -54,7 +54,7 @@ def mcp_http(trust_gw, tmp_path):
     log.close()
 
 
-# -- finding 7: MCP sessions restore each other's checkpoints ------------------------------------
+# -- MCP sessions and each other's checkpoints -------------------------------------------------
 def test_an_mcp_session_restores_only_its_own_sandboxes_checkpoints(trust_gw, mcp_http):
     """Session A saves a checkpoint holding a variable and a file; session B, on the same MCP server
     (so the same gateway token, here the admin's), asks to restore it, and a tenant's checkpoint
@@ -110,7 +110,7 @@ def test_an_mcp_session_restores_only_its_own_sandboxes_checkpoints(trust_gw, mc
 
 
 def test_the_gateway_keeps_tenants_to_their_own_checkpoints(trust_gw):
-    """The gateway's side of finding 7: a tenant cannot start, fork or E2B-create from another
+    """The gateway's side: a tenant cannot start, fork or E2B-create from another
     tenant's checkpoint, nor fork another's sandbox; each is the 404 an unknown id gets."""
     ta = trust_gw.request("POST", "/api/tenants", {"name": "ta7"}).json()["token"]
     tb = trust_gw.request("POST", "/api/tenants", {"name": "tb7"}).json()["token"]
@@ -137,7 +137,7 @@ def test_the_gateway_keeps_tenants_to_their_own_checkpoints(trust_gw):
             trust_gw.request("DELETE", f"/api/tenants/{name}")
 
 
-# -- findings 18 and 8 (a lone gateway): the session store's files, secret values at rest -------
+# -- a lone gateway: the session store's files, secret values at rest -----------------------------
 SECRET_BODY = {"egress": {"allow": ["api.secret.test:443"]},
                "secrets": [{"host": "api.secret.test", "header": "Authorization", "value": f"Bearer {SECRET}"},
                            {"host": "api.secret.test", "name": "API_KEY", "value": SECRET}]}
@@ -148,8 +148,8 @@ def store_files(home) -> dict:
 
 
 def test_the_session_store_is_0600_and_holds_no_secret_value_in_clear(trust_gw):
-    """Finding 18: sessions.db-wal was 0644 (and -shm), with every record in it; finding 8: the
-    secret values were in clear in those records. Now: every store file 0600, values sealed."""
+    """sessions.db-wal and -shm hold every record, so they are 0600 like the database (SQLite gives
+    them the database's mode), and secret values in records are sealed, never in clear."""
     r = trust_gw.request("POST", "/api/sandboxes", SECRET_BODY)
     assert r.status == 201, r.body
     sid = r.json()["id"]
@@ -193,7 +193,7 @@ def test_a_store_from_before_is_resealed_and_its_files_made_0600(tmp_path):
         db.execute("INSERT INTO sandboxes (id, node, state, version, record) VALUES (?, ?, ?, ?, ?)",
                    (rec.id, rec.node, rec.state.value, 1, rec.model_dump_json()))  # what the old store wrote
         assert SECRET.encode() in (path.read_bytes() + (tmp_path / "sessions.db-wal").read_bytes())
-        assert stat.S_IMODE((tmp_path / "sessions.db-wal").stat().st_mode) == 0o644  # as finding 18 found it
+        assert stat.S_IMODE((tmp_path / "sessions.db-wal").stat().st_mode) == 0o644  # as a store made without the 0600 step leaves it
         db.close()  # (the WAL stays: another connection of the old gateway would hold it)
         if not (tmp_path / "sessions.db-wal").exists():
             (tmp_path / "sessions.db-wal").touch(0o644)
@@ -220,7 +220,7 @@ def redis_cli(server, *args) -> str:
 
 
 def test_redis_records_hold_secret_values_sealed_and_bound_to_their_record(tmp_path):
-    """Finding 8, secrets at rest in Redis (a real redis-server): a value is sealed with the fleet
+    """Secrets at rest in Redis (a real redis-server): a value is sealed with the fleet
     key; a record from before (in clear) still reads and is rewritten sealed; a sealed value moved
     to another host or record does not open; a node with another fleet key refuses the store."""
     from test_store import RedisServer

@@ -1,6 +1,6 @@
-"""Red-team finding 8 of issue 29, the fleet's side: the nodes trusted Redis completely. A Redis
-writer who rewrote a node's URL got the next forwarded caller's token; nothing between the nodes
-was authenticated; Redis AUTH and TLS were untested. Real redis-servers (unix socket; TCP with a
+"""The fleet must not trust Redis completely: a Redis writer who rewrites a node's URL must not get
+the next forwarded caller's token, what passes between the nodes is authenticated, and Redis AUTH
+and TLS work. Real redis-servers (unix socket; TCP with a
 password and an ACL user; TLS) and real `sandgate serve` nodes with gVisor sandboxes."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Issue 11, finding 8: qemu ran as root with every capability, no seccomp
-filter, in the gateway's cgroup; inside the guest, user namespaces gave the
-kernel's user every capability over its own namespaces and no_new_privs was
-off. Now a VM's qemu runs under its seccomp filter, as a uid of its own that
+"""qemu as root with every capability, no seccomp filter, in the gateway's
+cgroup, and a guest whose user namespaces give the kernel's user every
+capability over its own namespaces, would leave little between a guest escape
+and the host. So a VM's qemu runs under its seccomp filter, as a uid of its own that
 no account has, with no capabilities, in a cgroup of its own holding the
 sandbox's limits; the guest's init turns user namespaces off and sets
 no_new_privs for everything it starts.
@@ -17,10 +17,11 @@ import psutil
 import pytest
 
 from conftest import Gateway
+from sandgate.config import Settings
 from sandgate.drivers import qemu
 
 pytestmark = [
-    pytest.mark.skipif(not qemu.QemuDriver.probe()[0], reason="qemu is not installed"),
+    pytest.mark.skipif(not qemu.QemuDriver.probe(Settings())[0], reason="qemu is not installed"),
     pytest.mark.skipif(os.geteuid() != 0, reason="confining qemu (its uid, its cgroup) needs a root gateway"),
 ]
 
@@ -145,7 +146,7 @@ def test_the_guest_kernel_has_no_user_namespaces_and_no_new_privileges(vmgw):
 
 
 def test_a_vm_gets_the_memory_and_cpus_asked_for_not_the_templates(vmgw):
-    """Finding 6: {"memory_mb": 256} ran with the template's -m 1024. Limits other
+    """A VM restored from the template would keep its -m 1024 whatever was asked. Limits other
     than the defaults boot cold (a restore needs the checkpoint's shape, and
     QemuDriver.restore_compatible refuses any other: tests/test_qemu.py)."""
     sid = create(vmgw, memory_mb=256, cpus=2)

@@ -1,4 +1,4 @@
-"""Issue 11, finding 2: a sparse file must not fill the host disk nor freeze the
+"""A sparse file must not fill the host disk nor freeze the
 gateway. A cell makes a 4 GiB sparse file (`truncate`); a checkpoint and a fork
 of it then cost the host almost nothing (holes stay holes in the blob store and
 in the fork's workspace), and the API answers while they run. A workspace past

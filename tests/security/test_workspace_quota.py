@@ -1,8 +1,8 @@
-"""Issue 11, finding 4 (and issue 10, item 5): a sandbox filling its workspace
+"""A sandbox filling its workspace
 fills its own quota, not the host's disk. A cell writing 3 GB into a 256 MB
 workspace gets "No space left on device" at 256 MB, the host's free space
 barely moves, the sandbox keeps working, and statvfs inside shows the quota,
-not the host disk (issue 11, "statvfs inside shows the host disk's size").
+not the host disk's size.
 
 Driver level (GVisorDriver with a Workspace as the spec's workspace) until the
 core creates its workspaces with gateway/workspace.py."""

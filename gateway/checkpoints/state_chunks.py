@@ -227,7 +227,7 @@ class ChunkStore:
                 return len(blob), len(blob)
 
             # Threads: compressing and creating files release the GIL, and creating thousands of
-            # files was most of a first checkpoint's time (1 ms each on a loaded host).
+            # files is most of a first checkpoint's time (1 ms each on a loaded host).
             with concurrent.futures.ThreadPoolExecutor(WRITERS) as pool:
                 results = list(pool.map(store, chunks))
             listed = []
@@ -273,7 +273,7 @@ class ChunkStore:
 
     def _read(self, key: str, size: int) -> bytes:
         """A chunk's stored bytes. os-level calls: a restore reads thousands of chunks, and the
-        per-file cost of Path and file objects was most of its time."""
+        per-file cost of Path and file objects would be most of its time."""
         try:
             fd = os.open(self._base + key[:2] + "/" + key, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -344,7 +344,7 @@ class ChunkStore:
 
     def _contents(self, name: str, chunks: list) -> Iterator[bytes]:
         """The content of zstd ``chunks``, in order: read and decompressed by two threads, a batch
-        or two ahead of the caller (decompressing was half of an assemble; reading a quarter)."""
+        or two ahead of the caller (decompressing is half of an assemble; reading a quarter)."""
         def batch(part) -> List[bytes]:
             zd = zstandard.ZstdDecompressor()  # one per batch: an instance is not for concurrent threads
             out = []

@@ -497,7 +497,7 @@ async def test_bad_env_names_are_a_400_not_an_agent_failure(tmp_path):
 
 @run
 async def test_a_checkpoint_is_deleted_only_when_nothing_needs_it(tmp_path):
-    """Issue 29, finding 13, on the core: a layered driver's (qemu's) newer checkpoint needs its parent;
+    """On the core: a layered driver's (qemu's) newer checkpoint needs its parent;
     a whole one's (gVisor's) does not; a sandbox resuming from a checkpoint needs it."""
     svc = make(tmp_path)
     sb = await start(svc)
@@ -519,7 +519,7 @@ async def test_a_checkpoint_is_deleted_only_when_nothing_needs_it(tmp_path):
         await svc.delete_checkpoint(sb.id, c3.id)
 
 
-# -- issue 29: the lifecycle findings (6, 9, 10, 11); end to end in tests/security/test_hostile_lifecycle.py
+# -- hostile lifecycle races and failures; end to end in tests/security/test_hostile_lifecycle.py
 @run
 async def test_a_checkpoint_or_pause_that_kills_the_sandbox_says_it_died_not_that_it_runs_on(tmp_path):
     svc = make(tmp_path)
