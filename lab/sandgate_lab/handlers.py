@@ -210,6 +210,14 @@ class FilesHandler(SandgateHandler):
     async def get(self, kid, path=None):
         path = path or ""
         self.check_kernel(kid)
+        if self.get_query_argument("unless_paused", None):
+            # A file browser's poll: any files call resumes a paused sandbox, which a listing
+            # nobody asked for must not do. Checked here, next to the gateway, to keep the
+            # window between the check and the call small.
+            sb = await self.call("GET", f"/api/sandboxes/{kid}")
+            if sb["state"] in ("pausing", "paused", "frozen"):
+                raise GatewayError(409, {"reason": "Conflict", "code": "paused", "state": sb["state"],
+                                         "message": f"sandbox {kid} is {sb['state']}; not resumed to list its files"})
         state = {"code": 0, "headers": HTTPHeaders(), "error": b"", "started": False}
 
         def on_header(line: str) -> None:

@@ -5,7 +5,7 @@ import { PathExt } from '@jupyterlab/coreutils';
 import { Contents, ServerConnection } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { api, encodePath, kernelUrl, request, SandgateError } from './api';
+import { encodePath, kernelUrl, request, SandgateError } from './api';
 
 interface IEntry {
   name: string;
@@ -87,15 +87,17 @@ export class SandboxDrive implements Contents.IDrive {
       return this._model(path, e.type, e.size, e.mtime);
     }
     const known = this._listings.get(path);
-    if (known) {
-      // The file browser polls its directory: a listing would resume a paused sandbox (any
-      // files call does), so while it is paused the last listing stands.
-      const sb = await api.sandbox(this.kernelId);
-      if (sb.state === 'paused' || sb.state === 'frozen') {
+    let response: Response;
+    try {
+      // A directory listed before may be a file browser's poll: the Lab server answers 409
+      // "paused" instead of resuming a paused sandbox for it, and the last listing stands.
+      response = await request(this._url(path, known ? '?unless_paused=1' : ''));
+    } catch (e) {
+      if (known && e instanceof SandgateError && e.code === 'paused') {
         return known;
       }
+      throw e;
     }
-    const response = await request(this._url(path));
     if (response.headers.get('X-Sandgate-Kind') === 'directory') {
       const listing = (await response.json()) as { entries: IEntry[] };
       const entries = listing.entries.filter(e => e.type !== 'symlink');
