@@ -243,6 +243,16 @@ def _drive(gateway, page, base, root, tmp_path):
     expect(item("from_lab.txt")).to_be_visible(timeout=T)
     assert gateway.request("GET", f"/api/sandboxes/{kid}/files/from_lab.txt").body == UPLOADED.encode()
     run(original, 4, UPLOADED.strip())
+    # A file over Lab's 1 MiB chunk size goes up in chunks, spooled by the Lab server and sent
+    # to the sandbox whole with the last.
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(3 << 20) + b"end")
+    with page.expect_file_chooser() as chooser:
+        workspace.locator("[data-jp-item-name=upload]").locator("button, jp-button").first.click()
+    chooser.value.set_files(str(big))
+    expect(item("big.bin")).to_be_visible(timeout=2 * T)
+    wait_for(lambda: gateway.request("GET", f"/api/sandboxes/{kid}/files/big.bin").body == big.read_bytes(),
+             timeout=T / 1000)
 
     # Opened in Lab's editor, edited and saved there, read by the next cell.
     item("from_cell.txt").dblclick()
@@ -262,7 +272,7 @@ def _drive(gateway, page, base, root, tmp_path):
     _shot(page, tmp_path, "jupyterlab-workspace.png")
     run(original, 5, edited)
 
-    # A gateway error, as a notification with the gateway's own message: a third file is one
+    # A gateway error, as a notification with the gateway's own message: four files are two
     # more than this gateway's checkpoints may hold.
     run(original, 6)
     panel_tab = page.locator('.jp-SideBar.jp-mod-right .lm-TabBar-tab[data-id="sandgate-sandbox-panel"]')
@@ -270,12 +280,13 @@ def _drive(gateway, page, base, root, tmp_path):
         panel_tab.click()
     panel.locator('.sg-Panel-checkpointRow button[data-command="sandgate:checkpoint"]').click()
     toast = page.locator(".Toastify__toast", has_text="Checkpoint failed")
-    expect(toast).to_contain_text("the workspace holds 3 files", timeout=2 * T)
+    expect(toast).to_contain_text("the workspace holds 4 files", timeout=2 * T)
     # Lab cuts a toast short: the whole message is behind its Details button.
     toast.get_by_text("Details").click()
     expect(page.locator(".jp-Dialog-body")).to_contain_text(
         "a checkpoint holds at most 2 (SANDGATE_CHECKPOINT_MAX_FILES)", timeout=T)
-    page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
+    page.keyboard.press("Escape")
+    expect(page.locator(".jp-Dialog")).to_have_count(0, timeout=T)
 
     # The server part passes the gateway's status and message on, and reaches only this
     # Lab's kernels.

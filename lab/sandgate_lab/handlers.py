@@ -185,17 +185,26 @@ class FilesHandler(SandgateHandler):
     async def prepare(self):
         await super().prepare()
         self._spool = None
-        if self.request.method == "PUT":
-            self.request.connection.set_max_body_size(MAX_UPLOAD)
-            chunk = self.get_query_argument("chunk", None)
-            key = (self.path_kwargs["kid"], self.path_kwargs["path"] or "")
-            if chunk in (None, "1") or key not in self._spools:
-                old = self._spools.pop(key, None)
-                if old:
-                    old.close()
-                self._spool = tempfile.TemporaryFile(prefix="sandgate-upload-")
-            else:
-                self._spool = self._spools[key]
+        if self.request.method != "PUT" or self._finished:
+            return
+        # Refused before a byte of the body is spooled: no login, or not this Lab's kernel.
+        if not self.current_user:
+            raise web.HTTPError(403)
+        kid, path = self.path_kwargs["kid"], self.path_kwargs["path"] or ""
+        self.check_kernel(kid)
+        self.request.connection.set_max_body_size(MAX_UPLOAD)
+        chunk = self.get_query_argument("chunk", None)
+        key = (kid, path)
+        if chunk in (None, "1"):
+            old = self._spools.pop(key, None)
+            if old:
+                old.close()
+            self._spool = tempfile.TemporaryFile(prefix="sandgate-upload-")
+        elif key in self._spools:
+            self._spool = self._spools[key]
+        else:
+            raise GatewayError(409, {"reason": "Conflict", "code": "conflict",
+                                     "message": f"chunk {chunk} of {path} came without the chunks before it"})
 
     def data_received(self, chunk: bytes) -> None:
         if self._spool is not None:

@@ -173,10 +173,12 @@ export class SandboxDrive implements Contents.IDrive {
     await request(this._url(path, query), {
       method: 'PUT', body, headers: { 'Content-Type': 'application/octet-stream' }
     });
-    const model = await this.get(path, { content: false });
-    if (chunk === undefined || chunk === -1) {
-      this._fileChanged.emit({ type: 'save', oldValue: null, newValue: model });
+    if (chunk !== undefined && chunk !== -1) {
+      // Not in the sandbox until the last chunk.
+      return this._model(path, 'file', 0, Date.now() / 1000);
     }
+    const model = await this.get(path, { content: false });
+    this._fileChanged.emit({ type: 'save', oldValue: null, newValue: model });
     return model;
   }
 

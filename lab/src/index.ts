@@ -8,7 +8,7 @@ import {
 import { ICommandPalette, InputDialog, Notification, showErrorMessage } from '@jupyterlab/apputils';
 import { PathExt } from '@jupyterlab/coreutils';
 import { IDocumentManager } from '@jupyterlab/docmanager';
-import { FileBrowser, IFileBrowserFactory, Uploader } from '@jupyterlab/filebrowser';
+import { FileBrowser, FilterFileBrowserModel, Uploader } from '@jupyterlab/filebrowser';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { folderIcon, LabIcon, refreshIcon, ToolbarButton } from '@jupyterlab/ui-components';
 import { Panel, Widget } from '@lumino/widgets';
@@ -48,7 +48,14 @@ class WorkspaceSidebar extends Panel {
     this.header.node.textContent = label || 'No notebook kernel: its sandbox\'s /workspace appears here.';
     if (browser && browser.parent !== this) {
       this.addWidget(browser);
+      if (this.isVisible) {
+        void browser.model.refresh();
+      }
     }
+  }
+
+  protected onAfterShow(): void {
+    void this.browser?.model.refresh();
   }
 
   header: Widget;
@@ -59,13 +66,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'sandgate-lab:plugin',
   description: 'The kernel\'s Sandgate sandbox: checkpoints, forks, pause, and its workspace as a drive',
   autoStart: true,
-  requires: [INotebookTracker, IDocumentManager, IFileBrowserFactory, ILabShell],
+  requires: [INotebookTracker, IDocumentManager, ILabShell],
   optional: [ICommandPalette],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     docManager: IDocumentManager,
-    browserFactory: IFileBrowserFactory,
     shell: ILabShell,
     palette: ICommandPalette | null
   ) => {
@@ -81,12 +87,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (!browser) {
         const drive = new SandboxDrive(kid);
         app.serviceManager.contents.addDrive(drive);
-        browser = browserFactory.createFileBrowser(`sandgate-workspace-${drive.name}`, {
+        // Any files call counts as use of the sandbox (and resumes a paused one): the listing
+        // is polled only while the workspace sidebar is shown.
+        const model = new FilterFileBrowserModel({
+          manager: docManager,
           driveName: drive.name,
           refreshInterval: 5000,
-          restore: false
+          refreshStandby: () => !workspace.isVisible || 'when-hidden'
         });
-        const model = browser.model;
+        browser = new FileBrowser({ id: `sandgate-workspace-${drive.name}`, model });
         browser.toolbar.addItem('upload', new Uploader({ model }));
         browser.toolbar.addItem('refresh', new ToolbarButton({
           icon: refreshIcon,
