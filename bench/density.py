@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import (conclude, IDLE_WAIT, BenchError, DirectTarget, SandgateTarget, _default_home, cell_result, dir_bytes, mib,
-                      need_psutil, progress, runtime_memory, runsc_version, tree_memory)
+from .harness import (IDLE_WAIT, BenchError, cell_result, conclude, default_home, dir_bytes, mib, need_psutil, progress,
+                      runsc_version, runtime_memory, tree_memory)
+from .targets import DirectTarget, SandgateTarget
 
 GOAL_PSS_MIB = 100
 
@@ -115,7 +116,7 @@ def run(args) -> int:
     if n < 1:
         print("sandgate bench: --density needs at least 1 sandbox", file=sys.stderr)
         return 2
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     from sandgate_images import rootfs
 
     rootfs.build(home)

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import IDLE_WAIT, BenchError, SandgateTarget, _default_home, cell_result, mib, progress, runtime_memory
+from .harness import IDLE_WAIT, BenchError, cell_result, default_home, mib, progress, runtime_memory
+from .targets import SandgateTarget
 
 REPS = 3
 RTT_RUNS = 20
@@ -76,7 +77,7 @@ def timed(fn):
 def whole_image(t: SandgateTarget, cid: str) -> None:
     """Store checkpoint ``cid``'s running state as one whole image, the baseline a restore from
     chunks is compared with: the image itself in its state directory (its chunks stay; another checkpoint may share them)."""
-    from sandgate.state_chunks import MANIFEST, ChunkStore
+    from sandgate.checkpoints.state_chunks import MANIFEST, ChunkStore
 
     state = t.home / "checkpoints" / "items" / cid / "state"
     if not (state / MANIFEST).is_file():
@@ -182,6 +183,7 @@ def runsc_columns(spec: str, home: Path) -> Dict[str, str]:
 
 
 def run(args) -> int:
+    from sandgate.config import Settings
     from sandgate.drivers import DRIVERS
 
     drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
@@ -194,11 +196,11 @@ def run(args) -> int:
         print("sandgate bench: --runsc compares gvisor only (--drivers gvisor)", file=sys.stderr)
         return 2
     for d in drivers:
-        ok, why = DRIVERS[d].probe()
+        ok, why = DRIVERS[d].probe(Settings.load())
         if not ok:
             print(f"sandgate bench: driver {d} cannot run here: {why}", file=sys.stderr)
             return 1
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     from sandgate_images import rootfs, vm
 
     rootfs.build(home)

@@ -40,7 +40,8 @@ from typing import Dict, List
 
 from sandgate.api.e2b import e2b_api_key
 
-from .kernels import BenchError, SandgateTarget, _default_home, progress
+from .harness import BenchError, default_home, progress
+from .targets import SandgateTarget
 
 STEPS = ("create", "run_code", "kill", "total")
 RUN_CODE_REPS = 100  # run_code("1+1") round trips per side on a live sandbox
@@ -190,7 +191,7 @@ def run(args) -> int:
     if rounds < 1:
         print("sandgate bench --e2b: N must be at least 1", file=sys.stderr)
         return 2
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     from sandgate_images import rootfs
 
     rootfs.build(home)

@@ -63,8 +63,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import (WARMUP, BenchError, SandgateTarget, SDKKernel, _default_home, cell_result,
-                      need_psutil, percentile, progress, runsc_version)
+from .harness import (WARMUP, BenchError, cell_result, default_home, need_psutil, percentile, progress, runsc_version,
+                      tree_processes)
+from .targets import SDKKernel, SandgateTarget
 
 PLAIN_IP, TLS_IP = "127.0.0.3", "127.0.0.4"  # loopback only
 PLAIN_NAME, TLS_NAME = "plain.test", "secure.test"
@@ -268,21 +269,13 @@ class Helper:
 def cpu_seconds(procs) -> float:
     """User + system CPU of these processes and their descendants, now."""
     psutil = need_psutil()
-    seen, total = set(), 0.0
-    for p in procs:
+    total = 0.0
+    for q in tree_processes(procs):
         try:
-            members = [p] + p.children(recursive=True)
+            c = q.cpu_times()
+            total += c.user + c.system
         except psutil.Error:
-            continue
-        for q in members:
-            if q.pid in seen:
-                continue
-            seen.add(q.pid)
-            try:
-                c = q.cpu_times()
-                total += c.user + c.system
-            except psutil.Error:
-                pass
+            pass
     return total
 
 
@@ -414,7 +407,7 @@ def roundtrip_table(rt: dict) -> str:
 # -- the run ----------------------------------------------------------------------------------------
 
 def run(args) -> int:
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     seconds = args.egress_seconds if getattr(args, "egress_seconds", None) else SECONDS
     runs = max(1, args.runs)
     from sandgate_images import rootfs

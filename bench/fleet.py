@@ -35,7 +35,8 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import conclude, TIMEOUT, BenchError, SandgateTarget, _default_home, free_port, progress
+from .harness import TIMEOUT, BenchError, conclude, default_home, free_port, progress
+from .targets import SandgateTarget
 from .load import load as load_run, stats
 
 GOAL = 1.2
@@ -217,20 +218,20 @@ def preflight(home: Path) -> None:
 
     from sandgate.drivers.gvisor import runsc_path
 
-    from .kernels import need_psutil
+    from .harness import need_psutil
 
     need_psutil()
-    if not runsc_path():
+    if not runsc_path(os.environ.get("SANDGATE_RUNSC", "")):
         raise BenchError("runsc not found: install gVisor (apt-get install runsc), then `sandgate doctor`")
     if not shutil.which("redis-server"):
         raise BenchError("redis-server not found: the fleet keeps its records in Redis (apt-get install redis-server)")
     if not images.is_built(home):
-        flag = f" --home {home}" if home != _default_home() else ""
+        flag = f" --home {home}" if home != default_home() else ""
         raise BenchError(f"the sandbox image is not built in {home}: run `sandgate image build{flag}`")
 
 
 def run(args) -> int:
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     n_kernels = max(3, args.fleet_kernels)
     seconds = max(1.0, args.fleet_seconds)
     rounds = max(5, args.runs if args.runs != 200 else 100)

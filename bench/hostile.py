@@ -37,7 +37,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .kernels import BenchError, SandgateTarget, _default_home, conclude, preflight, progress, runsc_version
+from .harness import BenchError, conclude, default_home, preflight, progress, runsc_version
+from .targets import SandgateTarget
 from .load import connect_all, load
 
 GOAL_RSS_MB = 256
@@ -401,7 +402,7 @@ def run(args) -> int:
         print("sandgate bench: --hostile-seconds must be above 0, --hostile-sandboxes at least 1 and "
               f"--hostile-attacks some of {','.join(ATTACKS)}", file=sys.stderr)
         return 2
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-hostile-"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, HALF_OPEN * 2 + 1024)), hard))

@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .kernels import (conclude, BenchError, KernelGatewayTarget, SandgateTarget, WSKernel, _default_home, percentile,
-                      preflight, progress, runsc_version)
+from .harness import BenchError, conclude, default_home, percentile, preflight, progress, runsc_version
+from .targets import KernelGatewayTarget, SandgateTarget, WSKernel
 
 CELL_TIMEOUT = 60.0  # a cell's messages not all in by then count as lost
 STRAGGLERS = 30.0  # past seconds + CELL_TIMEOUT: the hard end of the load phase
@@ -224,7 +224,7 @@ def run(args) -> int:
     if n < 1 or seconds <= 0:
         print("sandgate bench: --load needs at least 1 kernel and --load-seconds above 0", file=sys.stderr)
         return 2
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-load-"))
     # The gateway admits n kernels: its own cap and the tenant quotas (the bench's admin token is a tenant too).
     sg = SandgateTarget(logdir, home, "sandgate-gvisor", {

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from .kernels import conclude, BenchError, SandgateTarget, _default_home, percentile, progress
+from .harness import BenchError, conclude, default_home, percentile, progress
+from .targets import SandgateTarget
 
 ROUND_TRIPS = 100
 CODE = "1+1"
@@ -46,7 +47,7 @@ def round_trips(t: SandgateTarget, sid: str, n: int) -> List[float]:
 
 def run(args) -> int:
     n = max(1, args.restart)
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     from sandgate_images import rootfs
 
     rootfs.build(home)

@@ -3,7 +3,7 @@
 collection of one request's output and reply (``Collector``). The connections only move frames.
 
 What the gateway shares with the SDK (the v1 frame layout, iopub output as a dict) lives in
-``protocol``; the gateway's decoding, with its checks on untrusted frames, is gateway/api/wire.py."""
+``sandgate_wire`` (client/wire/); the gateway's decoding, with its checks on untrusted frames, is gateway/api/wire.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Union
 from . import _api as api
 from .errors import SandboxDied
 from .models import Execution, ExecutionError
-from .protocol import ABORTED, V1, output_of, pack_v1
+from sandgate_wire import ABORTED, V1, output_of, pack_v1
 PROTOCOLS = ("legacy", "v1")
 
 

@@ -82,10 +82,11 @@ def make_server(url: Optional[str] = None, token: Optional[str] = None, create_a
 
 
 def _version() -> str:
-    try:
-        from sandgate import __version__
-        return __version__
-    except Exception:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # the distribution's, not the gateway package's: the SDK does not import the gateway
+        return version("sandgate")
+    except PackageNotFoundError:
         return "0"
 
 

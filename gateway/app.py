@@ -30,9 +30,9 @@ log = logging.getLogger("sandgate")
 def available_drivers(settings: Settings) -> dict:
     drivers = {}
     for name, cls in DRIVERS.items():
-        ok, why = cls.probe()
+        ok, why = cls.probe(settings)
         if ok:
-            drivers[name] = cls(str(settings.home / "runtime" / name))
+            drivers[name] = cls(str(settings.home / "runtime" / name), settings)
         else:
             log.info("driver %s unavailable: %s", name, why)
     return drivers

@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 from . import __version__, logformat, usercli
-from .config import Settings
+from . import config
+from .config import CommandSettings, Settings
 
 
 def cmd_serve(args) -> int:
@@ -29,17 +30,16 @@ def cmd_serve(args) -> int:
     from .core.fleetauth import FleetAuth
     from .store.seal import SealError
 
-    settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
-                             max_kernels=args.max_kernels, cull_idle_timeout=args.cull_idle_timeout,
-                             default_driver=args.driver, home=args.home, max_memory_mb=args.max_memory_mb,
-                             max_cpus=args.max_cpus, max_pids=args.max_pids, max_disk_mb=args.max_disk_mb,
-                             max_ttl=args.max_ttl, keep_sandboxes=args.keep_sandboxes,
-                             tenant_max_sandboxes=args.tenant_max_sandboxes,
-                             tenant_max_memory_mb=args.tenant_max_memory_mb,
-                             tenant_max_checkpoint_mb=args.tenant_max_checkpoint_mb,
-                             tenant_create_rate=args.tenant_create_rate, tenant_create_burst=args.tenant_create_burst,
-                             egress_ca_bundle=args.egress_ca_bundle, egress_hosts=args.egress_hosts,
-                             redis_url=args.redis_url, node_id=args.node_id)
+    from . import trace
+    from .workspace import WorkspaceError, choose_sandbox_uid
+
+    settings = Settings.load(**config.flag_values(args, config.SETTINGS))
+    trace.enable(settings.trace)
+    try:
+        choose_sandbox_uid(settings.sandbox_uid)  # checked now, not at the first sandbox
+    except WorkspaceError as e:
+        print(f"sandgate: invalid setting: {e}", file=sys.stderr)
+        return 1
     if settings.redis_url and not settings.fleet_secret():
         # Without it a node would have to trust whatever the store says another node is, and anyone
         # who can write to the store could pose as one.
@@ -218,7 +218,7 @@ def cmd_doctor(args) -> int:
     settings = Settings.load(home=args.home)
     rows = []
     for name, cls in DRIVERS.items():
-        ok, why = cls.probe()
+        ok, why = cls.probe(settings)
         rows.append((f"driver {name}", ok, why))
     qemu = shutil.which("qemu-system-x86_64")
     rows.append(("qemu", bool(qemu), qemu or "qemu-system-x86_64 not found (apt-get install qemu-system-x86)"))
@@ -227,7 +227,7 @@ def cmd_doctor(args) -> int:
     from .drivers.qemu import accel
 
     if vm.is_built(settings.home) and qemu:
-        mode, why = accel(settings.home, vm.vm_dir(settings.home))  # a trial boot, remembered
+        mode, why = accel(settings.home, vm.vm_dir(settings.home), settings.qemu_accel)  # a trial boot, remembered
         rows.append(("kvm", mode == "kvm", f"qemu uses {mode}: {why}"))
     else:
         ok, why = kvm_usable()
@@ -336,49 +336,12 @@ def cmd_mcp(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="sandgate", description="A Jupyter kernel gateway whose kernels run in sandboxes.")
     ap.add_argument("--version", action="version", version=__version__)
-    ap.add_argument("--log-level", default=os.environ.get("SANDGATE_LOG_LEVEL", "INFO"))
-    ap.add_argument("--log-format", choices=["text", "json"],
-                    help="json: one JSON object per line, with sandbox and tenant ids as fields (SANDGATE_LOG_FORMAT)")
+    config.add_flags(ap, [d for d in config.COMMAND if d.name in ("log_level", "log_format")])
+    env = CommandSettings.load()  # the user commands' --url and --token default to its url and token
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="run the gateway (every flag also reads SANDGATE_<FLAG>)")
-    s.add_argument("--ip", help="address to listen on (SANDGATE_IP, default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="port (SANDGATE_PORT, default 8888; 0 picks a free one)")
-    s.add_argument("--token", help="auth token (SANDGATE_TOKEN; generated and printed when unset)")
-    s.add_argument("--allow-origin", help="CORS origin, or * (SANDGATE_ALLOW_ORIGIN)")
-    s.add_argument("--max-kernels", type=int, help="SANDGATE_MAX_KERNELS, default 16")
-    s.add_argument("--cull-idle-timeout", type=float, help="seconds; 0 never culls (SANDGATE_CULL_IDLE_TIMEOUT)")
-    s.add_argument("--driver", help="default sandbox driver (SANDGATE_DRIVER, default gvisor)")
-    s.add_argument("--home", help="state and image cache (SANDGATE_HOME, default ~/.cache/sandgate)")
-    s.add_argument("--max-memory-mb", type=int, help="ceiling on a sandbox's memory (SANDGATE_MAX_MEMORY_MB, 8192)")
-    s.add_argument("--max-cpus", type=float, help="ceiling on a sandbox's CPUs (SANDGATE_MAX_CPUS, 4)")
-    s.add_argument("--max-pids", type=int, help="ceiling on a sandbox's processes (SANDGATE_MAX_PIDS, 4096)")
-    s.add_argument("--max-disk-mb", type=int, help="ceiling on a sandbox's workspace (SANDGATE_MAX_DISK_MB, 10240)")
-    s.add_argument("--max-ttl", type=float, help="ceiling on a sandbox's lifetime in seconds, 0 none (SANDGATE_MAX_TTL)")
-    s.add_argument("--keep-sandboxes", action=argparse.BooleanOptionalAction, default=None,
-                   help="at exit, pause every sandbox to disk and resume them at the next start "
-                        "(SANDGATE_KEEP_SANDBOXES, default on); --no-keep-sandboxes deletes them")
-    s.add_argument("--tenant-max-sandboxes", type=int,
-                   help="a tenant's sandboxes at once, unless set for it; 0 no quota (SANDGATE_TENANT_MAX_SANDBOXES, 8)")
-    s.add_argument("--tenant-max-memory-mb", type=int,
-                   help="the sum of a tenant's sandboxes' memory, unless set for it; 0 no quota "
-                        "(SANDGATE_TENANT_MAX_MEMORY_MB, 16384)")
-    s.add_argument("--tenant-max-checkpoint-mb", type=int,
-                   help="what a tenant's checkpoints may store on disk, unless set for it; 0 no quota "
-                        "(SANDGATE_TENANT_MAX_CHECKPOINT_MB, 10240)")
-    s.add_argument("--tenant-create-rate", type=float,
-                   help="sandbox creations per minute per tenant; 0 no limit (SANDGATE_TENANT_CREATE_RATE, 30)")
-    s.add_argument("--tenant-create-burst", type=int,
-                   help="creations a tenant may make at once before the rate applies (SANDGATE_TENANT_CREATE_BURST, 10)")
-    s.add_argument("--egress-ca-bundle",
-                   help="PEM file of extra CAs the egress proxy trusts upstream, besides the system's (SANDGATE_EGRESS_CA_BUNDLE)")
-    s.add_argument("--egress-hosts",
-                   help="name=address,... the egress proxy resolves without DNS, as /etc/hosts (SANDGATE_EGRESS_HOSTS)")
-    s.add_argument("--redis-url", help="keep sandbox records and tenants in this Redis, shared by a fleet of "
-                                       "gateways (SANDGATE_REDIS_URL; default: SQLite under the home); needs "
-                                       "SANDGATE_FLEET_KEY, the same on every node. A password in the URL shows in "
-                                       "ps: prefer the variable")
-    s.add_argument("--node-id", help="this gateway's name in the fleet (SANDGATE_NODE_ID, default: the host name)")
+    s = sub.add_parser("serve", help="run the gateway (each flag also reads its variable; the flag wins)")
+    config.add_flags(s, config.SETTINGS)
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("image", help="build or show the sandbox image; `runsc` fetches Debian 13's runsc, "
@@ -388,16 +351,16 @@ def main(argv=None) -> int:
     i.add_argument("--home")
     i.set_defaults(fn=cmd_image)
 
-    usercli.add_commands(sub, os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"), os.environ.get("SANDGATE_TOKEN"))
+    usercli.add_commands(sub, env.url, env.token)
 
     ek = sub.add_parser("e2b-key", help="a Sandgate token as an E2B_API_KEY (e2b_<hex>, the shape e2b SDKs check)")
-    ek.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="the token (SANDGATE_TOKEN)")
+    ek.add_argument("--token", default=env.token, help="the token (SANDGATE_TOKEN)")
     ek.set_defaults(fn=cmd_e2b_key)
 
     dr = sub.add_parser("drain", help="move this node's sandboxes to the rest of the fleet, then stop it")
-    dr.add_argument("--url", default=os.environ.get("SANDGATE_URL", "http://127.0.0.1:8888"),
+    dr.add_argument("--url", default=env.url,
                     help="the node to drain (SANDGATE_URL)")
-    dr.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="its admin token (SANDGATE_TOKEN)")
+    dr.add_argument("--token", default=env.token, help="its admin token (SANDGATE_TOKEN)")
     dr.set_defaults(fn=cmd_drain)
 
     d = sub.add_parser("doctor", help="what this host supports")
@@ -470,8 +433,8 @@ def main(argv=None) -> int:
 
     m = sub.add_parser("mcp", help="run an MCP server whose tools run code in a sandbox of a gateway (docs/mcp.md)")
     m.add_argument("--transport", choices=["stdio", "http"], default="stdio")
-    m.add_argument("--url", default=os.environ.get("SANDGATE_URL"), help="the gateway (SANDGATE_URL)")
-    m.add_argument("--token", default=os.environ.get("SANDGATE_TOKEN"), help="its token (SANDGATE_TOKEN)")
+    m.add_argument("--url", default=env.url, help="the gateway (SANDGATE_URL)")
+    m.add_argument("--token", default=env.token, help="its token (SANDGATE_TOKEN)")
     m.add_argument("--driver", help="sandbox driver for the sessions' sandboxes (the gateway's default)")
     m.add_argument("--ttl", type=float, help="seconds a session's sandbox may live")
     m.add_argument("--host", default="127.0.0.1", help="HTTP transport: address to listen on")
@@ -480,7 +443,8 @@ def main(argv=None) -> int:
     m.set_defaults(fn=cmd_mcp)
 
     args = ap.parse_args(argv)
-    logformat.setup(args.log_level, args.log_format or os.environ.get("SANDGATE_LOG_FORMAT", "text"))
+    given = CommandSettings.load(log_level=args.log_level, log_format=args.log_format)
+    logformat.setup(given.log_level, given.log_format)
     return args.fn(args) or 0
 
 

@@ -1,6 +1,6 @@
 """Opt-in spans of kernel messages, for finding where a round trip's time goes.
 
-``SANDGATE_TRACE=1`` in the gateway's environment turns it on; off, each hook
+The `trace` setting (``SANDGATE_TRACE=1``) turns it on (``enable``, at start); off, each hook
 is one attribute test. The gateway stamps a client's request when its
 websocket frame arrives (``gw_ws_in``) and when it is written to the agent's
 stream (``gw_out``) and sends both along in the kernel frame's ``trace``
@@ -28,16 +28,20 @@ import collections
 import datetime as dt
 import json
 import logging
-import os
 import re
 import statistics
 import time
 from typing import Dict, Iterable, List, Optional
 
 log = logging.getLogger("sandgate.trace")
-ENABLED = os.environ.get("SANDGATE_TRACE", "").lower() not in ("", "0", "false", "no")
+ENABLED = False  # set once at start from the settings (enable)
 ORDER = ("gw_ws_in", "gw_out", "ag_read", "ag_in", "ag_zmq", "k", "ag_recv", "ag_out", "gw_in", "gw_sent")
 _received: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # msg_id -> gw_ws_in
+
+
+def enable(on: bool) -> None:
+    global ENABLED
+    ENABLED = on
 
 
 def ws_received(header: dict) -> None:

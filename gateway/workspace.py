@@ -60,30 +60,30 @@ def unused_id(uid: int) -> bool:
     return True
 
 
+def choose_sandbox_uid(configured: Optional[int] = None) -> int:
+    """Fix this process's sandbox uid (at start): configured, the sandbox_uid setting (refused if
+    an account has it), or else the first unused uid in ``UID_RANGE``."""
+    global _uid
+    if configured is not None:
+        if not 0 < configured < 0xFFFFFFFF or not unused_id(configured):
+            raise WorkspaceError(f"sandbox_uid (SANDGATE_SANDBOX_UID) {configured} belongs to a user or group of "
+                                 "this host (or is out of range): sandboxes need a uid nobody has")
+        _uid = configured
+        return _uid
+    uid = next((u for u in UID_RANGE if unused_id(u)), None)
+    if uid is None:
+        raise WorkspaceError(f"every uid in {UID_RANGE.stop + 1}..{UID_RANGE.start} belongs to a user or "
+                             "group: set SANDGATE_SANDBOX_UID to one that nobody has")
+    _uid = uid
+    return _uid
+
+
 def sandbox_uid() -> int:
     """The host uid (and gid) of everything a sandbox writes: one that no user
-    and no group has. ``SANDGATE_SANDBOX_UID`` chooses it (refused if an
-    account has it); otherwise the first unused uid in ``UID_RANGE``, chosen
-    once per process. It stays the same across restarts unless an account is
+    and no group has, the one choose_sandbox_uid fixed (else chosen at the first
+    call, as it would). It stays the same across restarts unless an account is
     created with it meanwhile."""
-    global _uid
-    if _uid is None:
-        env = os.environ.get("SANDGATE_SANDBOX_UID", "").strip()
-        if env:
-            try:
-                uid = int(env)
-            except ValueError:
-                raise WorkspaceError(f"SANDGATE_SANDBOX_UID={env!r} is not a number") from None
-            if not 0 < uid < 0xFFFFFFFF or not unused_id(uid):
-                raise WorkspaceError(f"SANDGATE_SANDBOX_UID={uid} belongs to a user or group of this host "
-                                     "(or is out of range): sandboxes need a uid nobody has")
-            _uid = uid
-        else:
-            _uid = next((u for u in UID_RANGE if unused_id(u)), None)
-            if _uid is None:
-                raise WorkspaceError(f"every uid in {UID_RANGE.stop + 1}..{UID_RANGE.start} belongs to a user or "
-                                     "group: set SANDGATE_SANDBOX_UID to one that nobody has")
-    return _uid
+    return _uid if _uid is not None else choose_sandbox_uid()
 
 
 @functools.lru_cache(maxsize=None)

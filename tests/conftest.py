@@ -3,6 +3,7 @@ are runsc sandboxes built from the real image, driven by real clients."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,14 +35,25 @@ SLOW_FILES = ("test_qemu", "test_qemu_confinement", "test_fleet", "test_fleet_ex
 SLOW_PARAMS = ("qemu", "gvisor-runsc-trixie")
 
 
+# The three tiers, each runnable alone: tests/unit (in-process, the fake driver, no runsc), the
+# integration tests beside it (real gVisor), and the slow ones (marked, or named above).
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def tier(item) -> int:
+    if item.get_closest_marker("slow") is not None:
+        return 2
+    return 0 if item.path.is_relative_to(UNIT) else 1
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.path.stem in SLOW_FILES or any(v in SLOW_PARAMS for v in params.values()):
             item.add_marker(pytest.mark.slow)
-    # A stable sort keeps each group in file order, so a module-scoped gateway per driver is still
-    # started once; the core's failures show up in the first minutes, not the last.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    # A stable sort keeps each tier in file order, so a module-scoped gateway per driver is still
+    # started once; the fast tiers' failures show up in the first minutes, not the last.
+    items.sort(key=tier)
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +61,25 @@ def home() -> Path:
     """The image cache, built once (about 2 minutes on a fresh machine)."""
     images.build(HOME)
     return HOME
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """``env`` in os.environ for as long as the block runs (a value of None: unset), then as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

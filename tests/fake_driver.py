@@ -447,7 +447,7 @@ class FakeDriver(Driver):
         self.fail_setup: Optional[str] = None  # `setup` fails with this, either way
 
     @classmethod
-    def probe(cls) -> Tuple[bool, str]:
+    def probe(cls, settings=None) -> Tuple[bool, str]:
         return True, "in-process fake sandboxes, for tests"
 
     async def _step(self, op: str) -> None:

@@ -1,4 +1,4 @@
-"""The workspace snapshot store on its own (gateway/checkpoints.py): holes,
+"""The workspace snapshot store on its own (gateway/checkpoints/): holes,
 bounds, modes, byte names, thread safety, and the event loop staying free.
 No sandbox: plain files under tmp_path."""
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sandgate import checkpoints as ck
+from sandgate.checkpoints import blobs
 from sandgate.checkpoints import (Checkpoint, CheckpointStore, FileEntry, SnapshotLimits, SnapshotTooLarge,
                                   dir_size, disk_usage)
 
@@ -48,7 +49,7 @@ def take(store: CheckpointStore, ws: Path, **kw) -> Checkpoint:
 
 
 def blob_files(store: CheckpointStore) -> list:
-    return sorted(p.name for p in store.blobs.glob("*/*"))
+    return sorted(p.name for p in store.blobs.root.glob("*/*"))
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_sparse_4gib_file_is_stored_and_materialised_with_its_holes(store, ws, t
     assert entry.size == 4 * GiB
     assert cp.new_bytes < MiB  # data stored, holes free
     assert disk_usage(store.root) < MiB
-    assert dir_size(store.blobs) == 4 * GiB  # logically all there
+    assert dir_size(store.blobs.root) == 4 * GiB  # logically all there
 
     out = tmp_path / "out"
     store.materialize(store.get(cp.id), out)
@@ -180,8 +181,8 @@ def test_too_many_new_bytes_writes_nothing(store, ws):
 def test_a_snapshot_failing_midway_leaves_no_blobs(store, ws, monkeypatch):
     for i in range(5):
         (ws / f"r{i}").write_bytes(os.urandom(100_000))  # above SMALL: copied from the file
-    assert 100_000 > ck.SMALL
-    real = ck._copy_sparse
+    assert 100_000 > blobs.SMALL
+    real = blobs.copy_sparse
     calls = []
 
     def failing(*a):
@@ -190,7 +191,7 @@ def test_a_snapshot_failing_midway_leaves_no_blobs(store, ws, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(*a)
 
-    monkeypatch.setattr(ck, "_copy_sparse", failing)
+    monkeypatch.setattr(blobs, "copy_sparse", failing)
     with pytest.raises(OSError):
         take(store, ws)
     assert blob_files(store) == []  # two written, then removed with the temporary one
@@ -200,9 +201,9 @@ def test_sweep_removes_garbage_but_not_what_is_in_use(store, ws):
     (ws / "a").write_text("a")
     kept = take(store, ws)
     # Leftovers of a crash: an unreferenced blob, a half-written one, an item without a record.
-    (store.blobs / "ff").mkdir(exist_ok=True)
-    (store.blobs / "ff" / ("ff" * 32)).write_text("garbage")
-    (store.blobs / "ff" / (("ff" * 32) + ".tmp-123456")).write_text("half")
+    (store.blobs.root / "ff").mkdir(exist_ok=True)
+    (store.blobs.root / "ff" / ("ff" * 32)).write_text("garbage")
+    (store.blobs.root / "ff" / (("ff" * 32) + ".tmp-123456")).write_text("half")
     (store.items / "deadbeef0000").mkdir()
     # An unfinished checkpoint of this process: its directory and blobs stay.
     (ws / "b").write_text("only in the open one")
@@ -243,7 +244,7 @@ def test_setuid_setgid_sticky_never_stored_or_materialised(store, ws, tmp_path):
     store.materialize(cp, out)
     assert stat.S_IMODE((out / "id").stat().st_mode) == 0o755
     assert stat.S_IMODE((out / "d").stat().st_mode) == 0o700
-    for blob in store.blobs.glob("*/*"):
+    for blob in store.blobs.root.glob("*/*"):
         assert stat.S_IMODE(blob.stat().st_mode) == 0o600
     # A record that says otherwise (an old or a tampered one) is not obeyed either.
     evil = cp.model_copy(update={"files": {"id": cp.files["id"].model_copy(update={"mode": 0o6777})}})
@@ -330,7 +331,7 @@ def test_non_utf8_names_come_back_byte_exact(store, ws, tmp_path):
 
 
 def test_old_records_still_read_and_materialise(store, tmp_path):
-    blob = store._blob(hashlib.sha256(b"old").hexdigest())
+    blob = store.blobs.path(hashlib.sha256(b"old").hexdigest())
     blob.parent.mkdir(parents=True)
     blob.write_bytes(b"old")
     cid, d = store.new_dir()
@@ -358,7 +359,7 @@ def test_manifest_paths_that_escape_are_refused(store, tmp_path):
 def test_missing_blob_is_a_clear_error(store, ws, tmp_path):
     (ws / "f").write_text("f")
     cp = take(store, ws)
-    store._blob(cp.files["f"].sha256).unlink()
+    store.blobs.path(cp.files["f"].sha256).unlink()
     with pytest.raises(FileNotFoundError, match=f"checkpoint {cp.id} is damaged: blob of f is missing"):
         store.materialize(cp, tmp_path / "out")
 
@@ -445,7 +446,7 @@ def test_concurrent_snapshots_of_different_workspaces(store, tmp_path):
         store.materialize(cp, out)  # every blob is there despite the concurrent sweeps
         assert (out / "shared").read_bytes() == shared and len(cp.files) == 201
     assert sum(cp.new_bytes for cp in results.values()) >= 2 * MiB + 4 * 200 * 1000
-    assert not [p for p in store.blobs.glob("*/*") if ".tmp-" in p.name]
+    assert not [p for p in store.blobs.root.glob("*/*") if ".tmp-" in p.name]
 
 
 def test_cancelling_snapshot_async_stops_it_and_keeps_nothing(store, ws):
@@ -520,9 +521,9 @@ def test_usage_counts_an_owners_blobs_once_and_remove_keeps_what_others_share(st
     assert store.usage("t1") == MiB  # unlisted: no longer counted, nor listed
     store.remove(a)
     assert store.get(b.id).parent is None  # re-parented to a's parent
-    assert not store._blob(ck.blob_key("t1", sha_of_bytes(b"f" * (2 * MiB)))).exists()
-    assert store._blob(ck.blob_key("t1", sha_of_bytes(b"s" * MiB))).exists()
-    assert store._blob(ck.blob_key("t2", sha_of_bytes(b"s" * MiB))).exists() and store.get(other.id)
+    assert not store.blobs.path(ck.blob_key("t1", sha_of_bytes(b"f" * (2 * MiB)))).exists()
+    assert store.blobs.path(ck.blob_key("t1", sha_of_bytes(b"s" * MiB))).exists()
+    assert store.blobs.path(ck.blob_key("t2", sha_of_bytes(b"s" * MiB))).exists() and store.get(other.id)
 
 
 def sha_of_bytes(data: bytes) -> str:

@@ -90,7 +90,7 @@ def stored_chunks(gw) -> set:
 
 
 def referenced_chunks(gw) -> set:
-    from sandgate.state_chunks import manifest_keys
+    from sandgate.checkpoints.state_chunks import manifest_keys
     return {k for d in (gw.home / "checkpoints" / "items").iterdir() if (d / "checkpoint.json").is_file()
             for k in manifest_keys(d / "state")}
 
@@ -143,7 +143,7 @@ def test_a_checkpoint_stored_in_the_old_chunk_format_restores(gw):
     """Checkpoints from before stored-block frames keep their gVisor chunks as sync-flushed raw
     deflate (codec deflate-sync): runsc restores them as it did."""
     from sandgate.checkpoints import CheckpointStore
-    from test_state_chunks import to_deflate_sync
+    from unit.test_state_chunks import to_deflate_sync
 
     sid = create(gw)["id"]
     ex(gw, sid, "x = 41")
@@ -186,7 +186,7 @@ def test_a_template_stored_in_the_old_chunk_format_is_made_anew(home, tmp_path):
     import json
 
     from sandgate.checkpoints import CheckpointStore
-    from test_state_chunks import to_deflate_sync
+    from unit.test_state_chunks import to_deflate_sync
 
     g = Gateway(home, tmp_path)
     templates = g.home / "templates.json"
@@ -237,7 +237,7 @@ def test_a_template_that_does_not_restore_is_forgotten_and_the_start_goes_on_col
 
 
 def json_keys(gw, cid):
-    from sandgate.state_chunks import manifest_keys
+    from sandgate.checkpoints.state_chunks import manifest_keys
     return manifest_keys(gw.home / "checkpoints" / "items" / cid / "state")
 
 

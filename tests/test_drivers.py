@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from conftest import host_processes, wait_for
+from sandgate.config import Settings
 from sandgate.drivers.base import socket_dir
 from sandgate.workspace import reap_mounts, sandbox_uid
 
@@ -352,7 +353,7 @@ def test_a_runsc_record_naming_a_zombie_is_acted_on_and_one_naming_a_stranger_is
 
     from sandgate.drivers.gvisor import GVisorDriver
 
-    drv = GVisorDriver(str(tmp_path / "home" / "runtime" / "gvisor"))
+    drv = GVisorDriver(str(tmp_path / "home" / "runtime" / "gvisor"), Settings.load())
     zombie, stranger = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "300"])
     try:
         wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", timeout=30)
@@ -380,7 +381,7 @@ def test_cgroups_runsc_made_before_it_recorded_a_sandbox_go_with_the_runtime(tmp
     from sandgate.drivers.base import SandboxSpec
     from sandgate.drivers.gvisor import GVisorDriver, cgroup_name
 
-    drv = GVisorDriver(str(tmp_path / "home" / "runtime" / "gvisor"))
+    drv = GVisorDriver(str(tmp_path / "home" / "runtime" / "gvisor"), Settings.load())
     destroyed, left, planted = (f"sg-drvtest-{os.urandom(4).hex()}" for _ in range(3))
     made = make_cgroups(cgroup_name(destroyed)) + make_cgroups(cgroup_name(left))
     kept = make_cgroups(cgroup_name(planted))

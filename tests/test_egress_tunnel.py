@@ -201,10 +201,10 @@ def env(home, tmp_path_factory):
     (gw_home / "images").symlink_to(home / "images")
 
     async def make():
-        s = Settings(home=gw_home, warm_start=False, max_kernels=6)
-        drivers = {"gvisor": GVisorDriver(str(gw_home / "runtime" / "gvisor"))}
-        if QemuDriver.probe()[0]:
-            drivers["qemu"] = QemuDriver(str(gw_home / "runtime" / "qemu"))
+        s = Settings.load(home=gw_home, warm_start=False, max_kernels=6)  # SANDGATE_RUNSC and such as given
+        drivers = {"gvisor": GVisorDriver(str(gw_home / "runtime" / "gvisor"), s)}
+        if QemuDriver.probe(s)[0]:
+            drivers["qemu"] = QemuDriver(str(gw_home / "runtime" / "qemu"), s)
         m = SandboxManager(s, drivers, KernelSpecs(list(drivers), "gvisor"), SQLiteStore(gw_home / "sessions.db"))
         m.egress = EgressHook(connect=connect, ca_pem=ca.read_text())
         return SandboxService(m)

@@ -32,6 +32,7 @@ import pytest
 
 from conftest import HOME, Gateway, wait_for
 from sandgate.agent_link import AgentLink
+from sandgate.config import Settings
 from sandgate.drivers import DRIVERS
 from sandgate.drivers.base import Limits, SandboxError, SandboxSpec
 from fake_firecracker import DIFF_PAGES
@@ -103,7 +104,7 @@ def new_spec(root: Path, n: str, memory_mb=256, cpus=2.0) -> SandboxSpec:
 
 
 def driver_for(root: Path) -> FirecrackerDriver:
-    return FirecrackerDriver(str(root / "home" / "runtime" / "firecracker"))
+    return FirecrackerDriver(str(root / "home" / "runtime" / "firecracker"), Settings.load())  # as `fake` set it
 
 
 async def read_ready(sb, timeout=90) -> P.EventFrame:
@@ -164,13 +165,13 @@ def test_vmlinux_without_a_kernel_is_a_clear_error():
 def test_probe_explains_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.delenv("FIRECRACKER_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    ok, why = FirecrackerDriver.probe()
+    ok, why = FirecrackerDriver.probe(Settings.load())
     assert not ok and "FIRECRACKER_BIN" in why
     monkeypatch.setenv("FIRECRACKER_BIN", str(tmp_path / "nope"))
-    ok, why = FirecrackerDriver.probe()
+    ok, why = FirecrackerDriver.probe(Settings.load())
     assert not ok and "not an executable" in why
     monkeypatch.setenv("FIRECRACKER_BIN", str(FAKE))
-    ok, why = FirecrackerDriver.probe()
+    ok, why = FirecrackerDriver.probe(Settings.load())
     assert ok == os.path.exists("/dev/kvm"), why
     assert ("/dev/kvm" in why) != ok
     assert DRIVERS["firecracker"] is FirecrackerDriver and FirecrackerDriver.can_checkpoint
@@ -688,7 +689,7 @@ def ex(gw, sid, code):
 
 @real
 def test_real_boot_and_cell(realgw):
-    ok, why = FirecrackerDriver.probe()
+    ok, why = FirecrackerDriver.probe(Settings.load())
     assert ok, why
     r = realgw.request("POST", "/api/sandboxes", {"driver": "firecracker"})
     assert r.status == 201, r.body

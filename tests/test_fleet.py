@@ -257,7 +257,7 @@ def test_checkpoints_in_an_s3_bucket_bring_a_dead_nodes_sandbox_back(home, tmp_p
         cp = b.request("POST", f"/api/sandboxes/{sid}/checkpoints", {}).json()["id"]
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="sandgate-test", Prefix="fleet/")["Contents"]]
         assert f"fleet/items/{cp}/checkpoint.json" in keys and any(k.startswith("fleet/blobs/") for k in keys)
-        # Chunked on the node, whole in the bucket (checkpoint_replica.py): the image, assembled.
+        # Chunked on the node, whole in the bucket (checkpoints/replica.py): the image, assembled.
         assert f"fleet/items/{cp}/state/checkpoint.img" in keys and not any("chunks" in k for k in keys), keys
         b.proc.kill()
         b.proc.wait()

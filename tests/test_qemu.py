@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from conftest import Gateway, wait_for
+from sandgate.config import Settings
 from sandgate.drivers import qemu
 from sandgate.drivers.base import Limits, SandboxError, SandboxSpec, socket_dir, tag
 from sandgate.drivers.qemu import QemuDriver
@@ -50,7 +51,7 @@ def vmgw(image, home, tmp_path_factory):
 
 
 def test_qemu_is_available_here():
-    ok, why = QemuDriver.probe()
+    ok, why = QemuDriver.probe(Settings())
     assert ok, why
 
 
@@ -91,7 +92,7 @@ def test_a_restore_with_other_memory_or_cpus_is_refused_by_name(tmp_path):
     """A migration restores only into a VM of the shape it was saved from
     (vm.json): other limits are refused before anything starts, and
     restore_compatible() tells the caller (the template is skipped then)."""
-    driver = QemuDriver(str(tmp_path / "runtime" / "qemu"))
+    driver = QemuDriver(str(tmp_path / "runtime" / "qemu"), Settings())
     image = tmp_path / "checkpoint"
     image.mkdir()
     (image / "vm.json").write_text(json.dumps({"memory_mb": 1024, "cpus": 1, "accel": "tcg", "vsock": False,
@@ -308,8 +309,7 @@ def test_vms_left_by_a_killed_gateway_are_adopted_or_else_reaped(image, home, tm
         g2.stop()
 
 
-def test_kvm_is_chosen_by_a_trial_boot_and_remembered(image, tmp_path, monkeypatch):
-    monkeypatch.delenv("SANDGATE_QEMU_ACCEL", raising=False)
+def test_kvm_is_chosen_by_a_trial_boot_and_remembered(image, tmp_path):
     first, why = qemu.accel(tmp_path, image)
     assert first in ("kvm", "tcg") and why
     if os.path.exists("/dev/kvm"):
@@ -318,5 +318,4 @@ def test_kvm_is_chosen_by_a_trial_boot_and_remembered(image, tmp_path, monkeypat
         t0 = time.monotonic()
         again, why2 = qemu.accel(tmp_path, image)
         assert again == first and "remembered" in why2 and time.monotonic() - t0 < 1
-    monkeypatch.setenv("SANDGATE_QEMU_ACCEL", "tcg")
-    assert qemu.accel(tmp_path, image)[0] == "tcg"
+    assert qemu.accel(tmp_path, image, forced="tcg") == ("tcg", "set by SANDGATE_QEMU_ACCEL")

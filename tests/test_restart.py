@@ -3,7 +3,7 @@ sandboxes: a SIGTERM pauses every sandbox to disk and the next `serve` on that
 home resumes each with its running state; after a SIGKILL a sandbox comes back
 from its newest checkpoint or is reported dead with the reason; cells sent
 over a websocket while a checkpoint runs all run, in order. The same races
-run in-process, in seconds, in test_lifecycle.py."""
+run in-process, in seconds, in unit/test_lifecycle.py."""
 
 from __future__ import annotations
 

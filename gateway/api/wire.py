@@ -17,7 +17,7 @@ import json
 import struct
 from typing import List, Tuple, Union
 
-from sandgate_client.protocol import V1, pack_v1
+from sandgate_wire import V1, pack_v1
 CLIENT_CHANNELS = ("shell", "control", "stdin")
 Parts = List[bytes]
 

@@ -54,7 +54,7 @@ class SandboxManager:
         self._agent_dir: Optional[Path] = None
         where, replica = settings.checkpoint_store, None
         if where.startswith("s3://"):
-            from ..checkpoint_replica import S3Replica
+            from ..checkpoints.replica import S3Replica
 
             where, replica = "", S3Replica(settings.checkpoint_store)
         self.checkpoints = CheckpointStore(Path(where) if where else settings.home / "checkpoints", SnapshotLimits(

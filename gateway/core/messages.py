@@ -9,7 +9,7 @@ import json
 import uuid
 from typing import List, Optional
 
-from sandgate_client.protocol import ABORTED, output_of  # noqa: F401 (the sandbox API's output dict, as the SDK's)
+from sandgate_wire import ABORTED, output_of  # noqa: F401 (the sandbox API's output dict, as the SDK's)
 
 
 def utcnow() -> dt.datetime:

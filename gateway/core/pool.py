@@ -18,7 +18,7 @@ import uuid
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..checkpoints import Checkpoint
-from ..state_chunks import read_manifest
+from ..checkpoints.state_chunks import read_manifest
 from .errors import Unavailable
 from .record import SandboxRecord
 from .sandbox import Sandbox

@@ -16,11 +16,14 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
 
 from pydantic import BaseModel, Field
 
 from .console import ConsoleLog
+
+if TYPE_CHECKING:  # config imports this package (Limits): the settings come in as arguments
+    from ..config import Settings
 
 
 class Limits(BaseModel):
@@ -219,8 +222,8 @@ class Driver(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def probe(cls) -> Tuple[bool, str]:
-        """Whether this host can run the driver, and a one-line explanation."""
+    def probe(cls, settings: "Settings") -> Tuple[bool, str]:
+        """Whether this host can run the driver (as settings configure it), and a one-line explanation."""
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:

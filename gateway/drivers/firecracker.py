@@ -32,11 +32,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..confine import release
 from .base import Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, require_disk_for_checkpoint
 from .console import ConsoleLog
+
+if TYPE_CHECKING:  # config imports this package (Limits): the settings come in as arguments
+    from ..config import Settings
 
 AGENT_PORT = 1024
 GUEST_CID = 3  # the first CID a guest may have; every VM has its own vsock device
@@ -55,14 +58,14 @@ NEW_VMSTATE, NEW_MEM = "snapshot.vmstate", "snapshot.mem"
 MANIFEST = "firecracker.json"
 
 
-def firecracker_path() -> Optional[str]:
-    path = os.environ.get("FIRECRACKER_BIN") or shutil.which("firecracker")
+def firecracker_path(configured: str = "") -> Optional[str]:
+    """The firecracker binary: the firecracker_bin setting, else the one on PATH."""
+    path = configured or shutil.which("firecracker")
     return os.path.abspath(path) if path else None  # VMs run in their own directory
 
 
-def jailer_path() -> Optional[str]:
-    path = os.environ.get("SANDGATE_FIRECRACKER_JAILER")
-    return os.path.abspath(path) if path else None
+def jailer_path(configured: str = "") -> Optional[str]:
+    return os.path.abspath(configured) if configured else None
 
 
 async def unix_connect(path: Path, limit: int = 1 << 20):
@@ -189,12 +192,12 @@ class FirecrackerSandbox(ProcessSandbox):
     def __init__(self, spec: SandboxSpec, driver: "FirecrackerDriver"):
         super().__init__(spec)
         self.driver = driver
-        self.jailer = jailer_path()
+        self.jailer = jailer_path(driver.settings.firecracker_jailer)
         self.console = ConsoleLog(spec.state_dir / "console.log")
         if self.jailer:
-            base = Path(os.environ.get("SANDGATE_FIRECRACKER_CHROOT_BASE") or spec.state_dir / "jail")
+            base = Path(driver.settings.firecracker_chroot_base or spec.state_dir / "jail")
             # the jailer names the chroot after the resolved binary: <base>/<exec name>/<id>/root
-            exec_name = Path(os.path.realpath(firecracker_path() or "firecracker")).name
+            exec_name = Path(os.path.realpath(firecracker_path(driver.settings.firecracker_bin) or "firecracker")).name
             self.jail_top: Optional[Path] = base / exec_name / spec.id
             self.root = self.jail_top / "root"
         else:
@@ -237,13 +240,13 @@ class FirecrackerSandbox(ProcessSandbox):
 
     # -- process --------------------------------------------------------
     async def launch(self) -> None:
-        fc = firecracker_path()
+        fc = firecracker_path(self.driver.settings.firecracker_bin)
         if not fc:
             raise SandboxError("firecracker not found: set FIRECRACKER_BIN or put it on PATH")
         if self.jailer:
             argv = [self.jailer, "--id", self.id, "--exec-file", fc, "--uid", str(self.driver.uid),
                     "--gid", str(self.driver.gid), "--chroot-base-dir", str(self.jail_top.parents[1]),
-                    *shlex.split(os.environ.get("SANDGATE_FIRECRACKER_JAILER_ARGS", "")),
+                    *shlex.split(self.driver.settings.firecracker_jailer_args),
                     "--", "--api-sock", API_SOCK]
         else:
             argv = [fc, "--api-sock", API_SOCK, "--id", self.id]
@@ -254,11 +257,20 @@ class FirecrackerSandbox(ProcessSandbox):
         release(self.proc.pid)  # the VM's memory is not the gateway's
         self.console.follow(self.proc.stdout)
         self.driver.register(self)
+        # The socket file appears at bind(), a moment before listen(): ready is when it accepts.
         deadline = time.monotonic() + 10
-        while not self.api_sock.exists():
+        while not await self._api_accepts():
             if self.proc.returncode is not None or time.monotonic() > deadline:
                 raise SandboxError(f"firecracker did not start: {self.failure()}")
             await asyncio.sleep(0.02)
+
+    async def _api_accepts(self) -> bool:
+        try:
+            _, writer = await unix_connect(self.api_sock)
+        except OSError:  # not there yet, or there and not yet listening (ECONNREFUSED)
+            return False
+        writer.close()
+        return True
 
     async def call(self, method: str, path: str, body: Optional[dict] = None,
                    timeout: float = API_TIMEOUT) -> Optional[dict]:
@@ -399,22 +411,23 @@ class FirecrackerDriver(Driver):
     shares_workspace = False  # its workspace is a qcow2/raw disk kept in the workspace directory
     layered_checkpoints = True  # its disks and memory files are shared with what is restored from them
 
-    def __init__(self, root_dir: str):
+    def __init__(self, root_dir: str, settings: "Settings"):
         self.root_dir = Path(root_dir)  # the registry of running VMs, for reap()
         self.home = self.root_dir.parents[1]
-        self.uid = int(os.environ.get("SANDGATE_FIRECRACKER_UID", "1000"))
-        self.gid = int(os.environ.get("SANDGATE_FIRECRACKER_GID", str(self.uid)))
+        self.settings = settings
+        self.uid = settings.firecracker_uid
+        self.gid = self.uid if settings.firecracker_gid is None else settings.firecracker_gid
 
     @classmethod
-    def probe(cls) -> Tuple[bool, str]:
-        fc = firecracker_path()
+    def probe(cls, settings: "Settings") -> Tuple[bool, str]:
+        fc = firecracker_path(settings.firecracker_bin)
         if not fc:
             return False, "firecracker not found (set FIRECRACKER_BIN or put firecracker on PATH)"
         if not (os.path.isfile(fc) and os.access(fc, os.X_OK)):
             return False, f"FIRECRACKER_BIN={fc} is not an executable file"
         if not os.path.exists("/dev/kvm"):
             return False, "no /dev/kvm: Firecracker needs KVM"
-        jailer = jailer_path()
+        jailer = jailer_path(settings.firecracker_jailer)
         if jailer and not (os.path.isfile(jailer) and os.access(jailer, os.X_OK)):
             return False, f"SANDGATE_FIRECRACKER_JAILER={jailer} is not an executable file"
         return True, f"firecracker at {fc}" + (f", jailed by {jailer}" if jailer else "")
@@ -422,8 +435,8 @@ class FirecrackerDriver(Driver):
     def image(self) -> Path:
         """The VM image: SANDGATE_FIRECRACKER_IMAGE (a directory laid out like
         images/vm.py's) or the one images/vm.py builds."""
-        if os.environ.get("SANDGATE_FIRECRACKER_IMAGE"):
-            d = Path(os.environ["SANDGATE_FIRECRACKER_IMAGE"])
+        if self.settings.firecracker_image:
+            d = Path(self.settings.firecracker_image)
         else:
             from sandgate_images import vm
 

@@ -46,13 +46,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple
 
 from ..workspace import WorkspaceError, sandbox_uid
 from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
                    require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from ..confine import release
 from .shim import remove_cgroups
+
+if TYPE_CHECKING:  # config imports this package (Limits): the settings come in as arguments
+    from ..config import Settings
 
 log = logging.getLogger("sandgate.gvisor")
 
@@ -78,8 +81,9 @@ BASE_ENV = {
 }
 
 
-def runsc_path() -> Optional[str]:
-    return os.environ.get("SANDGATE_RUNSC") or shutil.which("runsc")
+def runsc_path(configured: str = "") -> Optional[str]:
+    """The runsc binary: the `runsc` setting, else the one on PATH."""
+    return configured or shutil.which("runsc")
 
 
 DIRECTFS_SINCE = 20230101  # no runsc of 2023 or later is verified for the reclaim (reclaim_enabled)
@@ -309,21 +313,23 @@ class GVisorDriver(Driver):
     # writes the memory beside it, uncompressed, in pages.img (chunked as it is)
     state_images = ("checkpoint.img", "pages.img")
 
-    def __init__(self, root_dir: str, platform: Optional[str] = None):
+    def __init__(self, root_dir: str, settings: "Settings"):
         self.root_dir = root_dir
         self.home = Path(root_dir).parents[1]
-        self.platform = platform or os.environ.get("SANDGATE_RUNSC_PLATFORM", "ptrace")
+        self.settings = settings
+        self.runsc_path = runsc_path(settings.runsc)
+        self.platform = settings.runsc_platform
         os.makedirs(root_dir, exist_ok=True)
 
     @classmethod
-    def probe(cls) -> Tuple[bool, str]:
-        path = runsc_path()
+    def probe(cls, settings: "Settings") -> Tuple[bool, str]:
+        path = runsc_path(settings.runsc)
         if not path:
             return False, "runsc not found (apt-get install runsc)"
         return True, f"runsc at {path}"
 
     def runsc_args(self) -> List[str]:
-        args = [runsc_path() or "runsc", "--root", self.root_dir, "--network=none", f"--platform={self.platform}",
+        args = [self.runsc_path or "runsc", "--root", self.root_dir, "--network=none", f"--platform={self.platform}",
                 "--oci-seccomp"]
         if os.geteuid() != 0:
             args.append("--rootless")
@@ -374,7 +380,7 @@ class GVisorDriver(Driver):
         return p.returncode, out.decode(errors="replace")
 
     async def create(self, spec: SandboxSpec, restore_from: Optional[Path] = None) -> Sandbox:
-        if not runsc_path():
+        if not self.runsc_path:
             raise SandboxError("runsc not found: install gVisor (apt-get install runsc)")
         sb = GVisorSandbox(spec, self)
         try:
@@ -482,23 +488,23 @@ class GVisorDriver(Driver):
     @functools.cached_property
     def _checkpoint_flags(self) -> str:
         """`runsc checkpoint --help`: which options this runsc has (asked once)."""
-        return _run_quietly([runsc_path() or "runsc", "checkpoint", "--help"])
+        return _run_quietly([self.runsc_path or "runsc", "checkpoint", "--help"])
 
     @functools.cached_property
     def runsc_date(self) -> int:
         """The release date in `runsc --version` (0.0~20221219.0, release-20240729.0), 0 if none."""
-        m = re.search(r"(20\d{6})", _run_quietly([runsc_path() or "runsc", "--version"]))
+        m = re.search(r"(20\d{6})", _run_quietly([self.runsc_path or "runsc", "--version"]))
         return int(m.group(1)) if m else 0
 
     @functools.cached_property
     def reclaim(self) -> bool:
-        return reclaim_enabled(os.environ.get("SANDGATE_RUNSC_RECLAIM", "auto"), os.geteuid() != 0, self.runsc_date)
+        return reclaim_enabled(self.settings.runsc_reclaim, os.geteuid() != 0, self.runsc_date)
 
     @property
     def checkpoints_in_place(self) -> bool:
         # Debian 12's runsc (20221219) lists --leave-running too, but its sandbox is gone after
         # such a checkpoint; Debian 13's (20240729) pauses it and carries on, as tested here.
-        if os.environ.get("SANDGATE_CHECKPOINT_IN_PLACE", "auto").lower() in ("0", "false", "no", "off"):
+        if self.settings.checkpoint_in_place in ("0", "false", "no", "off"):
             return False
         return self.runsc_date >= IN_PLACE_SINCE and "-leave-running" in self._checkpoint_flags
 
@@ -512,7 +518,7 @@ class GVisorDriver(Driver):
 
     def _image_args(self, image_dir: Path) -> List[str]:
         args = ["--image-path", str(image_dir)]
-        compression = os.environ.get("SANDGATE_RUNSC_COMPRESSION")
+        compression = self.settings.runsc_compression
         if compression and "-compression" in self._checkpoint_flags:
             args.append(f"--compression={compression}")
         return args

@@ -39,13 +39,16 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..workspace import unused_id
 from ..confine import release
 from .base import (AdoptedProcess, Driver, Limits, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
                    require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from .console import ConsoleLog
+
+if TYPE_CHECKING:  # config imports this package (Limits): the settings come in as arguments
+    from ..config import Settings
 
 log = logging.getLogger("sandgate.qemu")
 
@@ -122,10 +125,9 @@ def _probe_boot(image: Path, timeout: float) -> Tuple[bool, str]:
                                                           f"qemu exited with status {p.returncode}")
 
 
-def accel(home: Path, image: Path) -> Tuple[str, str]:
-    """``kvm`` or ``tcg`` and why. The trial boot's answer is remembered per
-    guest image, host kernel and qemu binary, in home/images/qemu-accel.json."""
-    forced = os.environ.get("SANDGATE_QEMU_ACCEL")
+def accel(home: Path, image: Path, forced: Optional[str] = None) -> Tuple[str, str]:
+    """``kvm`` or ``tcg`` and why: forced (the qemu_accel setting), or a trial boot's answer,
+    remembered per guest image, host kernel and qemu binary, in home/images/qemu-accel.json."""
     if forced:
         return forced, "set by SANDGATE_QEMU_ACCEL"
     if not os.path.exists("/dev/kvm"):
@@ -418,7 +420,7 @@ class QemuSandbox(ProcessSandbox):
             accel += f",tb-size={TCG_TB_MB}"  # translated code is qemu's memory too: bounded
             if host_tsc_khz():
                 append += f" tsc_early_khz={host_tsc_khz()}"
-        append += " " + os.environ.get("SANDGATE_QEMU_APPEND", "")  # for debugging a guest
+        append += " " + self.driver.settings.qemu_append  # for debugging a guest
         # auto-read-only=off: a disk's file stays open read-write for the VM's whole life.
         # qemu would otherwise reopen it by name when a migration deactivates or activates
         # the disk, which it can no longer do once it runs as its own uid.
@@ -598,14 +600,15 @@ class QemuDriver(Driver):
     state_images = ("state.mig",)  # the migration stream; the overlays are backing files, kept whole
     layered_checkpoints = True  # those overlays back the next checkpoint's and the restored VM's disks
 
-    def __init__(self, root_dir: str):
+    def __init__(self, root_dir: str, settings: "Settings"):
         self.home = Path(root_dir).parents[1]
+        self.settings = settings
         self._accel: Optional[Tuple[str, str]] = None
         self._accel_lock = asyncio.Lock()
         self.uids: set = set()  # those of this gateway's running VMs
 
     @classmethod
-    def probe(cls) -> Tuple[bool, str]:
+    def probe(cls, settings: "Settings") -> Tuple[bool, str]:
         path = qemu_path()
         if not path:
             return False, "qemu-system-x86_64 not found (apt-get install qemu-system-x86 qemu-utils)"
@@ -616,7 +619,8 @@ class QemuDriver(Driver):
     async def accel(self, image: Path) -> Tuple[str, str]:
         async with self._accel_lock:
             if self._accel is None:
-                self._accel = await asyncio.get_running_loop().run_in_executor(None, accel, self.home, image)
+                self._accel = await asyncio.get_running_loop().run_in_executor(None, accel, self.home, image,
+                                                                           self.settings.qemu_accel)
                 log.info("qemu acceleration: %s (%s)", *self._accel)
             return self._accel
 

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 
 from sandgate.agent_link import AgentLink
+from sandgate.config import Settings
 from sandgate.drivers.base import Limits, SandboxSpec
 from sandgate.drivers.gvisor import GVisorDriver
 from sandgate_images import rootfs as images
@@ -15,7 +16,7 @@ async def sandbox(home, tmp_path, ws):
     """A gVisor sandbox whose /workspace is ``ws``, and the link to its agent."""
     spec = SandboxSpec(id=ws.id, rootfs=images.image_dir(home) / "rootfs", agent_dir=images.agent_bundle(home),
                        workspace=ws.path, state_dir=tmp_path / "sandboxes" / ws.id, limits=Limits(memory_mb=512))
-    driver = GVisorDriver(str(tmp_path / "runtime"))
+    driver = GVisorDriver(str(tmp_path / "runtime"), Settings.load())
     sb = link = None
     try:
         sb = await driver.create(spec)

@@ -17,10 +17,11 @@ import psutil
 import pytest
 
 from conftest import Gateway
+from sandgate.config import Settings
 from sandgate.drivers import qemu
 
 pytestmark = [
-    pytest.mark.skipif(not qemu.QemuDriver.probe()[0], reason="qemu is not installed"),
+    pytest.mark.skipif(not qemu.QemuDriver.probe(Settings())[0], reason="qemu is not installed"),
     pytest.mark.skipif(os.geteuid() != 0, reason="confining qemu (its uid, its cgroup) needs a root gateway"),
 ]
 

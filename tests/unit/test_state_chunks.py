@@ -1,4 +1,4 @@
-"""Running-state images as shared chunks (gateway/state_chunks.py, through
+"""Running-state images as shared chunks (gateway/checkpoints/state_chunks.py, through
 CheckpointStore), in-process on files made here: content-defined cuts, gVisor's
 framed image and a plain one round-tripping byte for byte, what a second
 image after a small change adds, sweep, pins, tenants, old whole images and
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sandgate.checkpoints import Checkpoint, CheckpointStore
-from sandgate.state_chunks import (MANIFEST, MAX_CHUNK, MIN_CHUNK, DamagedImage, cuts, manifest_keys,
+from sandgate.checkpoints.state_chunks import (MANIFEST, MAX_CHUNK, MIN_CHUNK, DamagedImage, cuts, manifest_keys,
                                    unwrap_gvisor)
 
 MiB = 1 << 20
@@ -165,7 +165,7 @@ def unwrap_gvisor_bytes(tmp_path: Path, data: bytes):
 
 
 def test_an_image_assembled_to_be_sent_elsewhere_is_deflated(tmp_path):
-    """The S3 replica uploads the whole image (checkpoint_replica.py): its frames deflated as runsc
+    """The S3 replica uploads the whole image (checkpoints/replica.py): its frames deflated as runsc
     writes them, not stored."""
     store = CheckpointStore(tmp_path / "ck")
     stream = bytes(memory_like(16, 3 * MiB))
@@ -301,7 +301,7 @@ def test_kept_images_beyond_their_budget_go_least_recently_used_first_but_never_
     async def while_restoring():
         async with store.restorable(cps[0].id) as d:
             os.utime(kept[0], (1, 1))  # the oldest, but read by this restore
-            store.kept_bytes = 1
+            store.images.kept_bytes = 1
             dropped = store.evict_kept(protect={cps[2].id})  # and one a template's: kept
             return dropped, (d / "state.mig").read_bytes()
     assert asyncio.run(while_restoring()) == (0, images[0])
@@ -315,20 +315,20 @@ def test_kept_images_give_way_when_the_disk_is_short_of_space(tmp_path):
     image = bytes(memory_like(30, 2 * MiB))
     cps = [take(store, "state.mig", image) for _ in range(2)]
     kept = [store.items / cp.id / "assembled" for cp in cps]
-    free = store._free()
-    store.keep_free = free  # keeping the image would leave less than this: not kept
+    free = store.images.free()
+    store.images.keep_free = free  # keeping the image would leave less than this: not kept
     asyncio.run(ahead_of(store, cps[0].id))
     assert not kept[0].exists()
     assert restored(store, cps[0].id, "state.mig") == image  # from its chunks, as before
-    store.keep_free = 0
+    store.images.keep_free = 0
     asyncio.run(ahead_of(store, cps[0].id))
     asyncio.run(ahead_of(store, cps[1].id))
     assert kept[0].is_dir() and kept[1].is_dir()
     os.utime(kept[0], (1000, 1000))  # the older one
     # Within the budget, but the disk now has less free than wanted: the oldest goes first.
-    store.keep_free = store._free() + MiB
+    store.images.keep_free = store.images.free() + MiB
     assert store.evict_kept() == 1 and not kept[0].exists() and kept[1].is_dir()
-    store.keep_free = store._free() + 64 * MiB
+    store.images.keep_free = store.images.free() + 64 * MiB
     assert store.evict_kept(spare=cps[1].id) == 0 and kept[1].is_dir()  # the one just made stays
     # A checkpoint taken now, with the disk short: its image is not kept, and the others give way.
     cp3 = take(store, "state.mig", image)
@@ -341,13 +341,13 @@ def test_a_restore_cancelled_while_it_takes_a_kept_image_lets_go_of_it(tmp_path)
     cp = take(store, "state.mig", bytes(memory_like(31, MiB)))
     kept = store.items / cp.id / "assembled"
     entered, go_on = threading.Event(), threading.Event()
-    real = store._assembled
+    real = store.images._assembled
 
     def held_up(cid, use=False):
         entered.set()
         go_on.wait(30)
         return real(cid, use)
-    store._assembled = held_up
+    store.images._assembled = held_up
 
     async def cancelled_restore():
         async def restore():
@@ -360,12 +360,12 @@ def test_a_restore_cancelled_while_it_takes_a_kept_image_lets_go_of_it(tmp_path)
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(600):  # until the thread is done and the hold let go (bounded)
-            if kept.is_dir() and not store._in_use:
+            if kept.is_dir() and not store.images._in_use:
                 return
             await asyncio.sleep(0.05)
     asyncio.run(cancelled_restore())
-    assert kept.is_dir() and store._in_use == {}
-    store.kept_bytes = 1
+    assert kept.is_dir() and store.images._in_use == {}
+    store.images.kept_bytes = 1
     assert store.evict_kept() == 1 and not kept.exists()  # not pinned for the process's life
 
 

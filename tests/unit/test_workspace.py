@@ -15,7 +15,7 @@ import pytest
 
 from conftest import wait_for
 from sandgate import workspace as W
-from sandgate.workspace import Workspace, WorkspaceError, reap_mounts, sandbox_uid
+from sandgate.workspace import Workspace, WorkspaceError, choose_sandbox_uid, reap_mounts, sandbox_uid
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not W.quota_supported()[0],
                                 reason="workspace images need root and loop devices: "
@@ -52,15 +52,12 @@ def test_sandbox_uid_belongs_to_nobody_and_stays(monkeypatch):
             lookup(uid)
     assert uid == sandbox_uid() and uid in W.UID_RANGE
     monkeypatch.setattr(W, "_uid", None)
-    monkeypatch.setenv("SANDGATE_SANDBOX_UID", str(pwd.getpwnam("nobody").pw_uid))
     with pytest.raises(WorkspaceError, match="belongs to a user or group"):
-        sandbox_uid()
-    monkeypatch.setenv("SANDGATE_SANDBOX_UID", "0")
+        choose_sandbox_uid(pwd.getpwnam("nobody").pw_uid)
     with pytest.raises(WorkspaceError):
-        sandbox_uid()
+        choose_sandbox_uid(0)
     other = next(u for u in W.UID_RANGE if u != uid and W.unused_id(u))
-    monkeypatch.setenv("SANDGATE_SANDBOX_UID", str(other))
-    assert sandbox_uid() == other
+    assert choose_sandbox_uid(other) == other and sandbox_uid() == other
 
 
 def test_create_is_an_empty_sparse_image_mounted_nosuid_nodev(root):

@@ -4,7 +4,8 @@ the creation rate limit with an injected clock, tokens stored hashed, tenants
 kept across a restart, per-tenant checkpoint deduplication; then the same
 through the real HTTP handlers and websocket (in-process tornado on the fake
 driver): 404s everywhere, 429 with Retry-After, 400s naming the field.
-test_tenants_gateway.py runs the essentials against a real `sandgate serve`."""
+test_tenants_gateway.py runs the essentials over HTTP on the in-process gateway;
+tests/test_tenant_quotas.py the quotas set by flags on a real `sandgate serve`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``SANDGATE_CHECKPOINT_STORE=s3://bucket/prefix`` (boto3; the endpoint, region and credentials come
 from boto3's usual settings: ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ...).
-Each node keeps its checkpoints in its home as always (checkpoints.py); every committed one is
+Each node keeps its checkpoints in its home as always (store.py); every committed one is
 also uploaded, under the same layout: its running state ``items/<cid>/state/...``, the blobs its
 files need ``blobs/<key>`` (content-addressed, so uploaded once), and its record
 ``items/<cid>/checkpoint.json`` last, so a record in the bucket means the checkpoint is whole
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Optional, Set
 from urllib.parse import urlparse
 
-from .checkpoints import Checkpoint, CheckpointStore, blob_key
+from .records import Checkpoint, blob_key
 from .state_chunks import MANIFEST
+from .store import CheckpointStore
 
 log = logging.getLogger("sandgate.checkpoints")
 
@@ -78,7 +79,7 @@ class S3Replica:
             if key in self._known:
                 continue
             if not self._has(self._key("blobs", key)):
-                blob = store._blob(key)
+                blob = store.blobs.path(key)
                 self.s3.upload_file(str(blob), self.bucket, self._key("blobs", key))
                 sent += blob.stat().st_size
             self._known.add(key)
@@ -108,7 +109,7 @@ class S3Replica:
             cp = Checkpoint.model_validate_json(tmp.read_text())
             for entry in cp.files.values():
                 key = blob_key(cp.owner, entry.sha256)
-                blob = store._blob(key)
+                blob = store.blobs.path(key)
                 if not blob.exists():
                     blob.parent.mkdir(parents=True, exist_ok=True)
                     part = blob.with_name(blob.name + ".download")

@@ -1,7 +1,9 @@
 """The parts of the Jupyter message formats that the SDK and the gateway share: the
 ``v1.kernel.websocket.jupyter.org`` binary frame layout, and an iopub message as the
-sandbox API's output dict. The gateway imports these from here (as jupyter_server takes
-its wire format from jupyter_client), so the two sides cannot drift apart."""
+sandbox API's output dict. Both import these from here, so the two sides cannot drift apart.
+
+A package of its own (``sandgate_wire``), standard library only, so that the gateway does
+not import the SDK, nor the SDK the gateway; it ships beside the SDK in client/."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ its own only, and a restarted gateway still has them."""
 
 import pytest
 
-from conftest import Gateway
-from test_tenants_gateway import new_tenant
+from unit.inprocess import InProcessGateway
+from unit.test_tenants_gateway import new_tenant
 
 
 @pytest.fixture(scope="module")
-def gw(home, tmp_path_factory):
-    g = Gateway(home, tmp_path_factory.mktemp("sessions"), env={"SANDGATE_WARM_START": "false",
+def gw(tmp_path_factory):
+    g = InProcessGateway(tmp_path_factory.mktemp("sessions"), env={"SANDGATE_WARM_START": "false",
                                                                 "SANDGATE_TENANT_CREATE_RATE": "0",
                                                                 "SANDGATE_KEEP_SANDBOXES": "true"})
     yield g
@@ -65,10 +65,10 @@ def test_tenants_see_their_own_sessions(gw):
         assert t.request("DELETE", f"/api/sessions/{s['id']}").status == 204
 
 
-def test_sessions_survive_a_restart(gw, home, tmp_path):
+def test_sessions_survive_a_restart(gw, tmp_path):
     s = create(gw, "kept.ipynb")
     gw.stop()
-    g2 = Gateway(home, tmp_path, own_home=gw.home, env={"SANDGATE_WARM_START": "false",
+    g2 = InProcessGateway(tmp_path, own_home=gw.home, env={"SANDGATE_WARM_START": "false",
                                                         "SANDGATE_KEEP_SANDBOXES": "true"})
     try:
         back = g2.request("GET", f"/api/sessions/{s['id']}")
