@@ -122,7 +122,9 @@ def _drive(gateway, page, base, tmp_path):
     }""")
     # Hide the file browser: more room for the notebook in the screenshot.
     page.keyboard.press("Control+b")
-    expect(page.locator(".jp-FileBrowser")).to_be_hidden(timeout=T)
+    # Lab's own file browser by its id: with Sandgate installed, the Sandgate extension's
+    # workspace browser is a .jp-FileBrowser too.
+    expect(page.locator("#filebrowser")).to_be_hidden(timeout=T)
 
     def run(i):
         cells.nth(i).locator(".jp-InputPrompt").click()
