@@ -89,10 +89,11 @@ def point(step: str, *ops: str, error: Type[BaseException] = InjectedFault) -> P
     return p
 
 
-def points() -> List[str]:
-    """Every point, ``<operation>/<step>``, by operation (OPERATIONS' order), then step."""
-    return sorted((f"{op}/{p.step}" for p in _points.values() for op in p.ops),
-                  key=lambda s: (OPERATIONS.index(s.split("/")[0]), s))
+def points(failing: bool = False) -> List[str]:
+    """Every point, ``<operation>/<step>``, by operation (OPERATIONS' order), then step;
+    ``failing``: only those before a call, which ``fail`` makes raise that call's error."""
+    return sorted((f"{op}/{p.step}" for p in _points.values() if not failing or p.error is not InjectedFault
+                   for op in p.ops), key=lambda s: (OPERATIONS.index(s.split("/")[0]), s))
 
 
 @contextlib.contextmanager

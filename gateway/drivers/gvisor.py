@@ -50,7 +50,7 @@ from typing import Iterable, List, Optional, Tuple
 
 from ..workspace import WorkspaceError, sandbox_uid
 from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
-                   require_disk_for_checkpoint, socket_dir, tag, tail_lines)
+                   process_has, require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from ..confine import release
 from .shim import remove_cgroups
 
@@ -286,6 +286,17 @@ def _exiting(pid: int) -> bool:
     return not flags & PF_KTHREAD and (state in ("Z", "X") or bool(flags & PF_EXITING))
 
 
+async def _shim_gone(sockets: Path, timeout: float = 10) -> None:
+    """Wait (bounded) for the shim of the runtime whose socket directory this is to exit."""
+    try:
+        pid = int((sockets / "shim.pid").read_text())
+    except (OSError, ValueError):
+        return
+    end = time.monotonic() + timeout
+    while process_has(pid, str(sockets / "shim.sock")) and not _exiting(pid) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
 def _checkpointing(runtime: str) -> bool:
     """Whether a `runsc ... checkpoint ... <runtime>` process runs."""
     for p in Path("/proc").iterdir():
@@ -421,6 +432,7 @@ class GVisorDriver(Driver):
         kept = {socket_dir(self.home, i, "g") for i in keep}
         for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
             if d not in kept:
+                await _shim_gone(d)  # it writes its runtime's exit status there as it goes
                 self._remove_cgroups_named_in(d)
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
