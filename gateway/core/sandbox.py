@@ -231,12 +231,44 @@ class Sandbox:
                 self.record = written
 
     async def to(self, new: State, **changes) -> None:
-        if new in STORE:
-            STORE[new]()  # before the state changes: a failure leaves memory and store as they were
-        self._set(new, **changes)
-        await self.save()
+        """Move to ``new`` and write the record. A delete's write goes first and may fail (nothing
+        is changed then); any other state is the sandbox's real one from here on, so a write that
+        fails is tried again at once, then in the background, and never undoes the move."""
+        if new == State.DELETED:
+            STORE[new]()
+            if self.persistent:
+                async with self._saving:
+                    await self.manager.store.delete(self.id)
+            self._set(new, **changes)
+        else:
+            self._set(new, **changes)
+            await self._save_or_retry(new)
         if new in STORED:
             STORED[new]()
+
+    async def _save_or_retry(self, new: State) -> None:
+        for attempt in (1, 2):
+            try:
+                if new in STORE:
+                    STORE[new]()
+                await self.save()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the store's own errors (SQLite, OSError, Redis) vary
+                log.warning("sandbox %s: the store did not take state %s (%s)%s", self.id, new, e,
+                            "; trying again" if attempt == 1 else "; it is written in the background")
+        asyncio.ensure_future(self._save_later())
+
+    async def _save_later(self, wait: float = 1.0) -> None:
+        """A record the store refused, written once it takes it (unless a later change did)."""
+        while self.state != State.DELETED and self._stored != self.state:
+            await asyncio.sleep(wait)
+            try:
+                await self.save()
+            except Exception as e:
+                log.warning("sandbox %s: the store still does not take its record: %s", self.id, e)
+                wait = min(wait * 2, 30.0)
 
     def to_now(self, new: State, **changes) -> None:
         """For callbacks that cannot wait (the runtime died): memory now, store soon."""
@@ -987,11 +1019,12 @@ class Sandbox:
             if self.manager.sandboxes.get(self.id) is not self:
                 raise NotFound(f"Sandbox does not exist: {self.id}")  # its start failed meanwhile
             frozen = self.state == State.FROZEN
+            # The record goes first: a gateway killed from here on leaves nothing that names
+            # this sandbox, and the next one reaps its runtime and files as leftovers
+            # (manager.recover), where the record would have brought it back dead. If the
+            # store refuses, nothing is deleted.
+            await self.to(State.DELETED)
             try:
-                # The record goes first: a gateway killed from here on leaves nothing that names
-                # this sandbox, and the next one reaps its runtime and files as leftovers
-                # (manager.recover), where the record would have brought it back dead.
-                await self.to(State.DELETED)
                 await self.teardown(frozen=frozen)
             finally:  # files next: a failure here is logged, and the next start sweeps what is left
                 try:
