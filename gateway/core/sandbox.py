@@ -835,14 +835,36 @@ class Sandbox:
         return cp
 
     async def _carry_on(self, image: Path, consume: bool, after: str = "") -> None:
-        """Back to running from the image just taken, or dead saying why."""
+        """Back to running from the image just taken. If that fails, the image is kept as a
+        paused one (its memory is whole: the next use resumes from it, as after a failed
+        resume), or, if it cannot be, the sandbox is dead saying why."""
         try:
             await self.boot(restore_from=image, consume=consume)
         except Unavailable as e:
-            why = f"{after} the sandbox could not carry on from it: {e}" if after else str(e)
-            await self.to(State.DEAD, reason=why.strip())
+            why = (f"{after} the sandbox could not carry on from it: {e}" if after else str(e)).strip()
+            kept = self._keep_image(image)
+            if kept:
+                await self.to(State.PAUSED, pause_mode="disk", paused_image=str(kept),
+                              reason=f"{why}; it is paused with its memory and resumes from that image on next use")
+            else:
+                await self.to(State.DEAD, reason=why)
             raise Unavailable(self.record.reason) from None
         await self.to(State.RUNNING, reason=None)
+
+    def _keep_image(self, image: Path) -> Optional[Path]:
+        """The running-state image just taken, linked under ``paused/<id>/`` (the checkpoint's
+        own copy may still be stored or discarded); None if it is not whole or cannot be."""
+        dest = self.manager.settings.home / "paused" / self.id
+        if not self.driver.image_whole(image):
+            return None
+        try:
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(image, dest, copy_function=os.link)
+        except OSError as e:
+            log.warning("sandbox %s: its running-state image could not be kept: %s", self.id, e)
+            shutil.rmtree(dest, ignore_errors=True)
+            return None
+        return dest
 
     async def pause(self, mode: str = "disk", shutdown: bool = False) -> None:
         """``disk``: checkpoint and stop, memory freed. ``memory``: the driver

@@ -33,8 +33,9 @@ S = State
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
     S.STARTING: frozenset({S.RUNNING, S.DEAD}),
     S.RUNNING: frozenset({S.CHECKPOINTING, S.PAUSING, S.RESTARTING, S.DEAD, S.DELETED}),
-    # A failed checkpoint leaves the sandbox running, or dead if the runtime stopped first.
-    S.CHECKPOINTING: frozenset({S.RUNNING, S.DEAD}),
+    # A failed checkpoint leaves the sandbox running, or dead if the runtime stopped first; paused
+    # (from the image it took) if it stopped the runtime and could not restore it from that image.
+    S.CHECKPOINTING: frozenset({S.RUNNING, S.PAUSED, S.DEAD}),
     # A failed pause leaves it running (or dead); the gateway's shutdown pauses to disk.
     S.PAUSING: frozenset({S.PAUSED, S.FROZEN, S.RUNNING, S.DEAD}),
     S.PAUSED: frozenset({S.RESUMING, S.DELETED}),
