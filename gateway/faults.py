@@ -124,6 +124,16 @@ def check_plan() -> Optional[str]:
     return f"{ENV} names no fault point: {', '.join(missing)} (see faults.points())" if missing else None
 
 
+def install(text: str) -> None:
+    """Arm the points ``text`` names (SANDGATE_FAULT's form) and disarm the rest: for tests
+    that run the core in-process."""
+    global _plan
+    _plan = parse(text)
+    for p in _points.values():
+        p._plans, p.armed = {}, False
+        _arm(p)
+
+
 def _arm(p: Point) -> None:
     for where, (action, nth) in _plan.items():
         op, _, step = where.partition("/")
