@@ -51,10 +51,18 @@ class Walk:
     def start(self, fault: str = "") -> Optional[Gateway]:
         """A gateway on the home (``fault``: SANDGATE_FAULT); None if it died before it answered."""
         env = {**self.env, **({"SANDGATE_FAULT": fault} if fault else {})}
-        try:
-            self.g = Gateway(self.images, self.tmp, own_home=self.home, env=env)
-        except RuntimeError:
-            self.g = None  # killed (or failed) during its recovery: the log says which
+        for _ in range(3):
+            try:
+                self.g = Gateway(self.images, self.tmp, own_home=self.home, env=env)
+            except RuntimeError:
+                self.g = None  # killed (or failed) during its recovery: the log says which
+                break
+            # Another test's gateway may have taken the free port first and answered for ours.
+            mine = f"serving at {self.g.url}"
+            wait_for(lambda: mine in self.g.log_text() or self.g.proc.poll() is not None, timeout=60)
+            if mine in self.g.log_text():
+                break
+            self.g.stop()
         if self.home is None and self.g:
             self.home = self.g.home
         return self.g

@@ -924,6 +924,10 @@ class Sandbox:
                 await self.driver.thaw(self.runtime)
                 THAWED()
             except SandboxError as e:
+                if self.runtime and self.runtime.running:  # still there, memory and all: the next call tries again
+                    await self.to(State.FROZEN)
+                    raise Unavailable(f"sandbox {self.id} could not be thawed ({e}); it stays paused in memory "
+                                      "and the next call tries again") from None
                 await self.teardown()
                 await self.to(State.DEAD, reason=f"could not be thawed: {e}", pause_mode=None)
                 raise Unavailable(self.record.reason) from None
@@ -970,7 +974,7 @@ class Sandbox:
             try:
                 await self.resume()
             except Exception as e:
-                kept = self.state == State.PAUSED
+                kept = self.state in states.WAKES
                 self._fail_waiting(f"The sandbox could not be resumed to run this cell: {e}"
                                    + ("; it is still paused, its state kept, and the next request tries again"
                                       if kept else ""), ename="SandboxUnavailable")

@@ -41,8 +41,9 @@ TRANSITIONS: Dict[State, FrozenSet[State]] = {
     S.PAUSED: frozenset({S.RESUMING, S.DELETED}),
     # Frozen to disk goes through running (thawed, then checkpointed).
     S.FROZEN: frozenset({S.RESUMING, S.DEAD, S.DELETED}),
-    # A failed resume from disk leaves the image whole: paused again, and the next call retries.
-    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.DEAD}),
+    # A failed resume leaves the image whole (paused again) or the runtime frozen (frozen again),
+    # and the next call retries.
+    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.FROZEN, S.DEAD}),
     S.RESTARTING: frozenset({S.RUNNING, S.DEAD}),
     S.DEAD: frozenset({S.RESTARTING, S.DELETED}),
     S.DELETED: frozenset(),
