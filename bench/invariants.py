@@ -316,7 +316,7 @@ def check_states(models: Dict[str, dict], records: Optional[Dict[str, dict]], ho
             elif (rec.get("runtime") or None) != rt:
                 out.append(Violation("store", f"runtime {rt} listed, {rec.get('runtime')} in the store", sid))
         if m.get("driver") == "gvisor":
-            alive = rt is not None and live.get(rt) in ("running", "paused")
+            alive = rt is not None and live.get(rt) in ("running", "paused", "created")
         else:
             alive = rt is not None and qemu_alive(home, rt)
         if st in ("running", "frozen") and not alive:
@@ -409,17 +409,29 @@ def check_checkpoints(api: Api, ledger: Ledger, models: Dict[str, dict]) -> List
 
 # -- the host --------------------------------------------------------------------------------
 def runsc_sandboxes(home: Path) -> Dict[str, str]:
-    """runsc's sandboxes under the home's runtime root: id -> status (running, paused, stopped, ...)."""
+    """runsc's sandboxes under the home's runtime root: id -> status (running, paused, created, or
+    stopped when its process is gone). Read from runsc's own records, not `runsc list`, which
+    waits on every sandbox and so hangs on a frozen one."""
     root = Path(home) / "runtime" / "gvisor"
-    if not root.is_dir():
-        return {}
+    out: Dict[str, str] = {}
+    for f in root.glob("sg-*.state") if root.is_dir() else ():
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = (rec.get("sandbox") or {}).get("pid")
+        out[rec.get("id") or f.name.split("_sandbox:")[0]] = rec.get("status") if _alive(pid) else "stopped"
+    return out
+
+
+def _alive(pid) -> bool:
+    """Whether ``pid`` is a live process (not a zombie)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
     try:
-        r = subprocess.run(["runsc", "--root", str(root), "list", "-format=json"], capture_output=True,
-                           text=True, timeout=60)
-        items = json.loads(r.stdout or "[]") or []
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return {}
-    return {i.get("id"): i.get("status") for i in items if str(i.get("id", "")).startswith("sg-")}
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _tag(text: str) -> str:
@@ -462,7 +474,7 @@ def check_leaks(home: Path, models: Dict[str, dict], allow_pool: bool = False) -
 
     live = runsc_sandboxes(home)
     for rt, status in live.items():
-        if not owned(rt):
+        if not owned(rt) and status != "stopped":
             out.append(Violation("leak", f"runsc sandbox {rt} ({status}) that no record owns"))
     tag = _tag(str(home))
     own_dirs = {f"sg{k}-{tag}-{_tag(rt)}" for rt in runtimes | {r for r in live if owned(r)} for k in "gq"}
