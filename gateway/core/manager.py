@@ -382,16 +382,14 @@ class SandboxManager:
         home = self.settings.home
         LEFTOVERS()
         await reap_mounts(home / "workspaces", keep=self.sandboxes)
-        orphans = 0
         for leftover, kept in (("sandboxes", keep), ("workspaces", keep), ("paused", images)):
             d = home / leftover
             if d.is_dir():
                 for p in d.iterdir():
                     if p.name.removesuffix(".img") not in kept:
-                        orphans += leftover != "paused"
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        if orphans:  # a delete (or a start) the last gateway did not finish: its checkpoints go too
-            await self.gc()
+        # A delete (or a start) the last gateway did not finish, up to its collection: its checkpoints go too.
+        await self.gc()
 
     def _image_whole(self, rec: SandboxRecord) -> bool:
         """Whether a record left checkpointing or pausing names a running-state image its
