@@ -31,7 +31,8 @@ or ``resume_from`` names it): the one loss the gateway may have, and says.
 What ``check`` reports (``Violation.kind``):
 
 * ``counter``: a sandbox's counter is not what its acknowledged executes make it;
-* ``lost``: a sandbox the ledger knows is gone without a delete, or dead with state;
+* ``lost``: a sandbox the ledger knows is gone without a delete, or dead when acknowledged state was in
+  its memory (its counter cannot be 0: no restart was asked);
 * ``deleted``: an acknowledged delete that came back;
 * ``checkpoint``: an acknowledged checkpoint that is missing or does not restore
   to its counter (``restore=True`` starts a sandbox from each, then deletes it);
@@ -234,9 +235,13 @@ class Api:
             except ValueError:
                 return e.code, raw.decode(errors="replace")
 
-    def read_counter(self, sid: str) -> Tuple[Optional[int], str]:
-        """READ_CELL in ``sid`` (a paused one resumes): the counter, or why not."""
-        code, out = self.call("POST", f"/api/sandboxes/{sid}/execute", {"code": READ_CELL, "timeout": self.timeout})
+    def read_counter(self, sid: str, tries: int = 3) -> Tuple[Optional[int], str]:
+        """READ_CELL in ``sid`` (a paused one resumes): the counter, or why not. A 503 (a resume
+        that failed, the sandbox still paused) is asked again, ``tries`` times in all."""
+        for _ in range(tries):
+            code, out = self.call("POST", f"/api/sandboxes/{sid}/execute", {"code": READ_CELL, "timeout": self.timeout})
+            if code != 503:
+                break
         if code != 200 or not isinstance(out, dict):
             return None, f"{code} {out}"
         try:
@@ -358,7 +363,7 @@ def check_ledger(api: Api, ledger: Ledger, models: Dict[str, dict], read: bool =
             out.append(Violation("counter", f"its counter went back to checkpoint {claim}'s, but the gateway does "
                                  f"not say it was restored from it (reason: {m.get('reason')!r})", sid))
         if m["state"] == "dead":
-            if t.ranges != [(0, 0)]:
+            if not _within(t.ranges, 0):  # 0: nothing acknowledged was in its memory (or a restart was asked)
                 out.append(Violation("lost", f"dead ({m.get('reason')}) with acknowledged state "
                                      f"(counter {_show(t.ranges)})", sid))
             continue

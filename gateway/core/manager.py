@@ -51,8 +51,8 @@ point = faults.point
 PUT = point("store.starting", "start", "fork", error=OSError)
 PUT_DONE = point("store.starting.done", "start", "fork")
 DELETE_GC = point("delete.gc", "delete")
-GC = point("gc.collect", "gc", error=OSError)
-GC_DONE = point("gc.collect.done", "gc")
+GC = point("gc.collect", "gc", "recover", error=OSError)
+GC_DONE = point("gc.collect.done", "gc", "recover")
 ADOPT = point("driver.adopt", "recover", error=SandboxError)
 ADOPTED = point("driver.adopt.done", "recover")
 REAP = point("driver.reap", "recover")
@@ -231,19 +231,25 @@ class SandboxManager:
             self.egress.forget(sandbox_id)
         with faults.operation("delete"):
             DELETE_GC()
-        await self.gc()
+        try:
+            await self.gc()
+        except Exception as e:  # the sandbox is deleted; what it left is collected at the next delete or start
+            log.warning("sandbox %s deleted; its checkpoints are not collected yet: %s", sandbox_id, e)
         log.info("sandbox %s deleted", sandbox_id)
 
     async def gc(self) -> int:
         """Checkpoints no live sandbox's line needs, and their blobs (off the loop).
         A shared checkpoint store counts every node's sandboxes, from the store."""
+        with faults.operation("gc"):
+            return await self._gc()
+
+    async def _gc(self) -> int:
         records = await self.store.list() if self.checkpoints.shared else [sb.record for sb in self.sandboxes.values()]
         live = set(self.sandboxes) | {r.id for r in records}
         keep = {c for r in records for c in (r.origin, r.resume_from, r.head) if c}
-        with faults.operation("gc"):
-            GC()
-            n = await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
-            GC_DONE()
+        GC()
+        n = await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
+        GC_DONE()
         return n
 
     async def delete_checkpoint(self, cid: str) -> int:
@@ -389,7 +395,7 @@ class SandboxManager:
                     if p.name.removesuffix(".img") not in kept:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         # A delete (or a start) the last gateway did not finish, up to its collection: its checkpoints go too.
-        await self.gc()
+        await self._gc()
 
     def _image_whole(self, rec: SandboxRecord) -> bool:
         """Whether a record left checkpointing or pausing names a running-state image its
