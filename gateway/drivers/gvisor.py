@@ -427,6 +427,10 @@ class GVisorDriver(Driver):
         ids = [i for i in (line.strip() for line in out.splitlines()) if i.startswith("sg-") and i not in keep]
         for sid in ids if code == 0 else []:
             if self._names_its_sandbox(sid):
+                try:  # a frozen sandbox does not die of a kill (runsc waits on it)
+                    await self._set_frozen(sid, False)
+                except SandboxError:
+                    pass
                 await self.runsc("kill", sid, "KILL")
                 await self.delete(sid)
         kept = {socket_dir(self.home, i, "g") for i in keep}
