@@ -138,6 +138,17 @@ class Walk:
     def violations(self, **kw) -> List[Violation]:
         return check(self.g.url, self.g.token, self.home, self.ledger, **kw)
 
+    def finish(self, found: Dict[str, List[str]], unreached: List[str], what: str, t0: float) -> None:
+        """The final check (every checkpoint restored too), the walk's time, and what it found."""
+        self.running(self.main)
+        problems = self.violations(restore=True)
+        if problems:
+            found["(final)"] = [str(v) for v in problems]
+        print(f"fault walk: {what} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        self.g.stop()
+        assert not unreached, f"points their operation's scenario did not reach: {unreached}"
+        assert not found, "\n".join(f"{p}: {v}" for p, vs in found.items() for v in vs)
+
 
 # One scenario per operation: from a running ``main``, the operation once (and what it needs
 # first, through other operations). A gateway killed midway makes every later call fail.
@@ -280,14 +291,7 @@ def test_a_gateway_killed_at_any_fault_point_loses_nothing(variant, home, tmp_pa
         recovered(p, None)
         if other:
             w.delete(other)
-    w.running(w.main)
-    problems = w.violations(restore=True)
-    if problems:
-        found["(final)"] = [str(v) for v in problems]
-    print(f"fault walk ({variant}): {len(points)} kill points in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    w.g.stop()
-    assert not unreached, f"points their operation's scenario did not reach: {unreached}"
-    assert not found, "\n".join(f"{p}: {v}" for p, vs in found.items() for v in vs)
+    w.finish(found, unreached, f"{len(points)} kill points ({variant})", t0)
 
 
 FAILED = "fault point {}: failing the call"
@@ -316,12 +320,4 @@ def test_every_call_that_fails_at_a_fault_point_leaves_nothing_wrong(home, tmp_p
     log = w.g.log_text()
     w.kill()  # the cleanup pass: what a failed call left (a workspace, a checkpoint) goes at the next start
     w.start()
-    w.running(w.main)
-    problems = w.violations(restore=True)
-    if problems:
-        found["(final)"] = [str(v) for v in problems]
-    print(f"fault walk: {len(points)} fail points in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    w.g.stop()
-    unreached = [p for p in points if FAILED.format(p) not in log]
-    assert not unreached, f"points their operation's scenario did not reach: {unreached}"
-    assert not found, "\n".join(f"{p}: {v}" for p, vs in found.items() for v in vs)
+    w.finish(found, [p for p in points if FAILED.format(p) not in log], f"{len(points)} fail points", t0)
