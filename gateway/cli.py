@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from . import __version__, logformat, usercli
+from . import __version__, faults, logformat, usercli
 from . import config
 from .config import CommandSettings, Settings
 
@@ -34,6 +34,7 @@ def cmd_serve(args) -> int:
     from .workspace import WorkspaceError, choose_sandbox_uid
 
     settings = Settings.load(**config.flag_values(args, config.SETTINGS))
+    faults.install(settings.fault)  # armed before the recovery, whose steps have points too
     trace.enable(settings.trace)
     try:
         choose_sandbox_uid(settings.sandbox_uid)  # checked now, not at the first sandbox
@@ -87,6 +88,8 @@ def cmd_serve(args) -> int:
             service = make_service(settings)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
+        if faults.plan_error():  # a test's switch naming no fault point: said, not ignored
+            raise SystemExit(f"sandgate: {faults.plan_error()}")
         app = make_app(settings, service)
         manager = service.manager
         proxy = await start_egress(settings, manager)

@@ -227,6 +227,9 @@ class Settings(BaseModel):
     trace: bool = setting(False, help=(
         "log one `sandgate.trace` line per kernel message answering a websocket request, with its time at each "
         "hop (gateway, agent, kernel); see [performance.md](performance.md#issue-15-the-cell-round-trip)"))
+    fault: str = setting("", flag=None, shown="off", help=(
+        "tests only: `<operation>/<step>:kill|fail[:<n>]`, comma-separated: the gateway SIGKILLs itself, or "
+        "fails the call, at that fault point ([after SIGKILL or a crash](#after-sigkill-or-a-crash))"))
     # -- the gVisor driver (drivers/gvisor.py)
     runsc: str = setting("", shown="`runsc` on `PATH`", help="runsc binary")
     runsc_platform: str = setting("ptrace", help="runsc `--platform`")
@@ -296,6 +299,14 @@ class Settings(BaseModel):
             if not name or not all(c.isalnum() or c in "-." for c in name):
                 raise ValueError(f"{name!r} is not a host name")
         return {name.lower().rstrip("."): address for name, address in table.items()}
+
+    @field_validator("fault")
+    @classmethod
+    def _fault(cls, value: str) -> str:
+        from .faults import parse
+
+        parse(value)  # ValueError says what is wrong
+        return value
 
     @field_validator("runsc_reclaim", "checkpoint_in_place")
     @classmethod

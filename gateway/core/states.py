@@ -33,15 +33,17 @@ S = State
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
     S.STARTING: frozenset({S.RUNNING, S.DEAD}),
     S.RUNNING: frozenset({S.CHECKPOINTING, S.PAUSING, S.RESTARTING, S.DEAD, S.DELETED}),
-    # A failed checkpoint leaves the sandbox running, or dead if the runtime stopped first.
-    S.CHECKPOINTING: frozenset({S.RUNNING, S.DEAD}),
+    # A failed checkpoint leaves the sandbox running, or dead if the runtime stopped first; paused
+    # (from the image it took) if it stopped the runtime and could not restore it from that image.
+    S.CHECKPOINTING: frozenset({S.RUNNING, S.PAUSED, S.DEAD}),
     # A failed pause leaves it running (or dead); the gateway's shutdown pauses to disk.
     S.PAUSING: frozenset({S.PAUSED, S.FROZEN, S.RUNNING, S.DEAD}),
     S.PAUSED: frozenset({S.RESUMING, S.DELETED}),
     # Frozen to disk goes through running (thawed, then checkpointed).
     S.FROZEN: frozenset({S.RESUMING, S.DEAD, S.DELETED}),
-    # A failed resume from disk leaves the image whole: paused again, and the next call retries.
-    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.DEAD}),
+    # A failed resume leaves the image whole (paused again) or the runtime frozen (frozen again),
+    # and the next call retries.
+    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, S.FROZEN, S.DEAD}),
     S.RESTARTING: frozenset({S.RUNNING, S.DEAD}),
     S.DEAD: frozenset({S.RESTARTING, S.DELETED}),
     S.DELETED: frozenset(),

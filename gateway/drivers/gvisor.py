@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple
 
 from ..workspace import WorkspaceError, sandbox_uid
 from .base import (AdoptedProcess, Driver, ProcessSandbox, Sandbox, SandboxError, SandboxSpec, connect_unix,
-                   require_disk_for_checkpoint, socket_dir, tag, tail_lines)
+                   process_has, require_disk_for_checkpoint, socket_dir, tag, tail_lines)
 from ..confine import release
 from .shim import remove_cgroups
 
@@ -296,6 +296,31 @@ def _exiting(pid: int) -> bool:
     return not flags & PF_KTHREAD and (state in ("Z", "X") or bool(flags & PF_EXITING))
 
 
+async def _shim_gone(sockets: Path, timeout: float = 10) -> None:
+    """Wait (bounded) for the shim of the runtime whose socket directory this is to exit."""
+    try:
+        pid = int((sockets / "shim.pid").read_text())
+    except (OSError, ValueError):
+        return
+    end = time.monotonic() + timeout
+    while process_has(pid, str(sockets / "shim.sock")) and not _exiting(pid) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
+def _checkpointing(runtime: str) -> bool:
+    """Whether a `runsc ... checkpoint ... <runtime>` process runs."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"checkpoint" in argv and runtime.encode() in argv and b"runsc" in argv[0]:
+            return True
+    return False
+
+
 def reclaim_enabled(setting: str, rootless: bool, runsc_date: int) -> bool:
     """`auto` is on as root with a runsc older than directfs. As root (with
     --network=none) the Sentry runs as nobody in an empty read-only tmpfs root
@@ -414,11 +439,16 @@ class GVisorDriver(Driver):
         ids = [i for i in (line.strip() for line in out.splitlines()) if i.startswith("sg-") and i not in keep]
         for sid in ids if code == 0 else []:
             if self._names_its_sandbox(sid):
+                try:  # a frozen sandbox does not die of a kill (runsc waits on it)
+                    await self._set_frozen(sid, False)
+                except SandboxError:
+                    pass
                 await self.runsc("kill", sid, "KILL")
                 await self.delete(sid)
         kept = {socket_dir(self.home, i, "g") for i in keep}
         for d in Path(tempfile.gettempdir()).glob(f"sgg-{tag(str(self.home))}-*"):
             if d not in kept:
+                await _shim_gone(d)  # it writes its runtime's exit status there as it goes
                 self._remove_cgroups_named_in(d)
                 shutil.rmtree(d, ignore_errors=True)
         return len(ids) if code == 0 else 0
@@ -560,6 +590,19 @@ class GVisorDriver(Driver):
         except asyncio.TimeoutError:
             raise SandboxError("sandbox did not stop after its checkpoint") from None
         await self.delete(sandbox.id)
+
+    async def settle(self, runtime: str, timeout: float = 120) -> None:
+        # A `runsc checkpoint` is the killed gateway's child, not killed with it: it goes on
+        # writing the image and then stops the sandbox. Adopting meanwhile would adopt a
+        # sandbox about to stop; waiting tells which it is, running or a whole image.
+        end = time.monotonic() + timeout
+        while _checkpointing(runtime) and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        if time.monotonic() >= end:
+            log.warning("runtime %s: a runsc checkpoint still runs after %g s", runtime, timeout)
+
+    def image_whole(self, image_dir: Path) -> bool:
+        return (image_dir / "checkpoint.img").is_file()
 
     async def freeze(self, sandbox: Sandbox) -> None:
         # The sandbox's freezer cgroup, not `runsc pause`: this runsc answers a
