@@ -27,6 +27,7 @@ def cmd_serve(args) -> int:
     from .core.culler import Culler
     from .core.fleet import Fleet
     from .core.fleetauth import FleetAuth
+    from .drivers.base import RuntimeLease
     from .store.seal import SealError
 
     settings = Settings.load(ip=args.ip, port=args.port, token=args.token, allow_origin=args.allow_origin,
@@ -82,8 +83,11 @@ def cmd_serve(args) -> int:
             return 1
 
     async def run() -> None:
+        # Renewed from before recover() on: the runtimes the last process left wait for this one.
+        lease = RuntimeLease(settings.home, settings.runtime_lease)
+        renewing = asyncio.ensure_future(lease.keep())
         try:
-            service = make_service(settings)
+            service = make_service(settings, lease)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
         app = make_app(settings, service)
@@ -148,6 +152,7 @@ def cmd_serve(args) -> int:
         else:
             log.info("shutting down: deleting %d sandboxes", len(manager.sandboxes))
             await manager.delete_all()
+        renewing.cancel()
         await proxy.stop()
         await manager.store.close()
         log.info("gateway stopped")

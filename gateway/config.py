@@ -107,6 +107,10 @@ class Settings(BaseModel):
     # The gateway process's own memory limit, a cgroup of its own (confine.py); its sandboxes and their
     # shims are outside it. 0: none (the service manager's, if any).
     gateway_memory_mb: int = Field(0, ge=0)
+    # Seconds a runtime (gVisor's shim) waits for a gateway when none is connected and none renews the home's
+    # lease file: past it the runtime ends, so a node whose gateway stays down keeps no copy of sandboxes other
+    # nodes took over. Longer than a gateway restart takes to start adopting. 0: runtimes wait forever.
+    runtime_lease: float = Field(120, ge=0, allow_inf_nan=False)
     # The fleet's shared key (core/fleetauth.py): signs heartbeats and forwarded requests, and seals secret
     # values at rest. Every node of a fleet has the same; a fleet node does not start without it.
     fleet_key: Optional[SecretStr] = None
@@ -175,6 +179,7 @@ class Settings(BaseModel):
         "egress_ca_bundle": "SANDGATE_EGRESS_CA_BUNDLE", "egress_hosts": "SANDGATE_EGRESS_HOSTS",
         "redis_url": "SANDGATE_REDIS_URL", "redis_prefix": "SANDGATE_REDIS_PREFIX", "node_id": "SANDGATE_NODE_ID",
         "node_url": "SANDGATE_NODE_URL", "gateway_memory_mb": "SANDGATE_GATEWAY_MEMORY_MB",
+        "runtime_lease": "SANDGATE_RUNTIME_LEASE",
         "fleet_key": "SANDGATE_FLEET_KEY", "fleet_key_file": "SANDGATE_FLEET_KEY_FILE",
         "redis_ca_file": "SANDGATE_REDIS_CA_FILE", "redis_cert_file": "SANDGATE_REDIS_CERT_FILE",
         "redis_key_file": "SANDGATE_REDIS_KEY_FILE",
