@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from . import __version__, logformat, usercli
+from . import __version__, faults, logformat, usercli
 from .config import Settings
 
 
@@ -90,6 +90,8 @@ def cmd_serve(args) -> int:
             service = make_service(settings, lease)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
+        if faults.plan_error():  # a test's switch naming no fault point: said, not ignored
+            raise SystemExit(f"sandgate: {faults.plan_error()}")
         app = make_app(settings, service)
         manager = service.manager
         proxy = await start_egress(settings, manager)

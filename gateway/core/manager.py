@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 from sandgate_images import rootfs as images
 
-from .. import metrics
+from .. import faults, metrics
 from ..checkpoints import Checkpoint, CheckpointStore, SnapshotLimits
 from ..egress.policy import EgressPolicy
 from ..egress.secrets import Secret
@@ -39,6 +40,27 @@ from .states import State
 from .tunnel import DEFAULT_PORT, EgressHook
 
 log = logging.getLogger("sandgate.manager")
+
+# States whose runtime a killed gateway left is taken over if it still runs: running and frozen
+# ones, and those caught mid-operation (the operation never happened: the runtime runs on).
+ADOPTABLE = frozenset({State.RUNNING, State.FROZEN, State.CHECKPOINTING, State.PAUSING, State.RESTARTING,
+                       State.RESUMING})
+
+# Fault points (faults.py).
+point = faults.point
+PUT = point("store.starting", "start", "fork", error=OSError)
+PUT_DONE = point("store.starting.done", "start", "fork")
+DELETE_GC = point("delete.gc", "delete")
+GC = point("gc.collect", "gc", error=OSError)
+GC_DONE = point("gc.collect.done", "gc")
+ADOPT = point("driver.adopt", "recover", error=SandboxError)
+ADOPTED = point("driver.adopt.done", "recover")
+REAP = point("driver.reap", "recover")
+KEEP_IMAGE = point("files.image.keep", "recover", error=OSError)
+RECOVERED = point("store.recovered", "recover", error=OSError)
+LEFTOVERS = point("files.leftovers", "recover")
+DRAIN_STORE = point("store.handed_off", "drain", error=OSError)
+DRAIN_STORED = point("store.handed_off.done", "drain")
 
 
 class SandboxManager:
@@ -61,7 +83,6 @@ class SandboxManager:
             max_bytes=settings.checkpoint_max_bytes, max_new_bytes=settings.checkpoint_max_new_bytes,
             max_files=settings.checkpoint_max_files), shared=bool(settings.checkpoint_store), replica=replica,
             kept_bytes=settings.kept_images_mb << 20)
-        self.checkpoints.sweep()  # leftovers of checkpoints a crash interrupted
         self.pool = WarmPool(self)
         self.stopping = False  # set by suspend_all: nothing wakes up any more
         self.egress: Optional[EgressHook] = None  # the egress proxy, once one runs (core/tunnel.py)
@@ -97,6 +118,12 @@ class SandboxManager:
         from a checkpoint (files and running state). Arguments are validated;
         ``sandbox_id`` (a new uuid4 when omitted) lets the service count it
         against its owner's quota before it exists."""
+        with faults.operation("fork" if checkpoint is not None else "start"):
+            return await self._start(kernel_name, driver, env, limits, labels, ttl, checkpoint, owner, sandbox_id,
+                                     egress, secrets)
+
+    async def _start(self, kernel_name, driver, env, limits, labels, ttl, checkpoint, owner, sandbox_id, egress,
+                     secrets) -> Sandbox:
         if self.stopping:
             raise Unavailable("the gateway is shutting down")
         if egress is not None and self.egress is None:
@@ -145,7 +172,9 @@ class SandboxManager:
                     rec.origin = rec.head = checkpoint.id
                     rec.parent = checkpoint.sandbox
                 sb = Sandbox(self, rec)
+                PUT()
                 sb.record = await self.store.put(rec)
+                PUT_DONE()
                 self.sandboxes[sb.id] = sb
                 sb.publish_egress()  # before it runs: its first connection finds its policy
                 async with sb.lock:
@@ -200,6 +229,8 @@ class SandboxManager:
                 await self.store.delete_session(ns.id)
         if self.egress:
             self.egress.forget(sandbox_id)
+        with faults.operation("delete"):
+            DELETE_GC()
         await self.gc()
         log.info("sandbox %s deleted", sandbox_id)
 
@@ -209,7 +240,11 @@ class SandboxManager:
         records = await self.store.list() if self.checkpoints.shared else [sb.record for sb in self.sandboxes.values()]
         live = set(self.sandboxes) | {r.id for r in records}
         keep = {c for r in records for c in (r.origin, r.resume_from, r.head) if c}
-        return await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
+        with faults.operation("gc"):
+            GC()
+            n = await self.checkpoints.gc_async(live, keep | set(self.pool.templates.values()))
+            GC_DONE()
+        return n
 
     async def delete_checkpoint(self, cid: str) -> int:
         """Delete checkpoint ``cid``, or Conflict naming what still needs it; what only it held
@@ -263,18 +298,36 @@ class SandboxManager:
     # -- the gateway's own restart -----------------------------------------------
     async def recover(self) -> None:
         """At start: read this node's records back. Paused and dead sandboxes
-        come back as they were. One the last gateway left running or frozen
-        (it was killed) is adopted, runtime and all, where its driver can;
-        failing that it resumes from its newest checkpoint, or is dead if it
-        has none. Then what no record claims is removed."""
-        records = await self.store.list(node=self.store.node)
+        come back as they were. One the last gateway left running or frozen, or
+        caught mid-operation (it was killed), is adopted, runtime and all, where its
+        driver can; failing that it resumes from the running-state image the operation
+        had finished, else from its newest checkpoint, or is dead if it has none. A
+        start nobody was answered is forgotten. Then what no record claims is removed."""
+        with faults.operation("recover"):
+            await self._recover()
+
+    async def _recover(self) -> None:
+        records = []
+        for rec in await self.store.list(node=self.store.node):
+            if rec.state == State.STARTING:
+                # Its start was never answered, so no client knows of it: gone, as a failed start is
+                # (its runtime is reaped and its files removed below, with the other leftovers).
+                await self.store.delete(rec.id)
+                log.warning("sandbox %s: forgotten: the gateway stopped while it was starting", rec.id)
+                continue
+            records.append(rec)
         adopted: Dict[str, Runtime] = {}
         for rec in records:
-            if rec.state in (State.RUNNING, State.FROZEN) and rec.runtime and rec.driver in self.drivers:
+            if rec.state in ADOPTABLE and rec.runtime and rec.driver in self.drivers:
+                driver = self.drivers[rec.driver]
                 try:
-                    adopted[rec.id] = await self.drivers[rec.driver].adopt(rec.runtime)
+                    await driver.settle(rec.runtime)  # a checkpoint the dead gateway started ends first
+                    ADOPT()
+                    adopted[rec.id] = await driver.adopt(rec.runtime)
+                    ADOPTED()
                 except SandboxError as e:
                     log.warning("sandbox %s: runtime %s not adopted: %s", rec.id, rec.runtime, e)
+        REAP()
         for name, driver in self.drivers.items():
             n = await driver.reap(keep=[adopted[r.id].id for r in records if r.id in adopted and r.driver == name])
             if n:
@@ -285,6 +338,8 @@ class SandboxManager:
                 rec = rec.model_copy(update={"state": State.DEAD, "reason": f"driver {rec.driver} is not available"})
             elif runtime:
                 pass
+            elif rec.state in (State.CHECKPOINTING, State.PAUSING) and self._image_whole(rec):
+                rec = self._keep_image(rec)
             elif rec.state == State.PAUSED and rec.paused_image and not Path(rec.paused_image).is_dir():
                 rec = self._lost(rec, "its paused state is missing from disk")
             elif rec.state == State.RESUMING and self._resumes_again(rec):
@@ -295,28 +350,37 @@ class SandboxManager:
                 rec = self._lost(rec, f"the gateway stopped while it was {rec.state}")
             if not runtime:
                 rec = rec.model_copy(update={"runtime": None})
+            if rec.state != State.PAUSED:
+                rec = rec.model_copy(update={"paused_image": None})
             sb = Sandbox(self, rec)
             try:
                 await sb.ws.attach()
                 if runtime:
+                    was = rec.state
                     await sb.adopt(runtime)
-                    log.info("sandbox %s: adopted its %s runtime %s", sb.id, rec.state, runtime.id)
+                    if was not in (State.RUNNING, State.FROZEN):  # the operation it was in never happened
+                        sb.record = rec = rec.model_copy(update={"state": State.RUNNING, "pause_mode": None})
+                    log.info("sandbox %s: adopted its %s runtime %s", sb.id, was, runtime.id)
             except (WorkspaceError, Unavailable) as e:
                 if runtime:
                     await runtime.destroy()
                     sb.record = rec = self._lost(rec, f"its runtime was left running but could not be adopted ({e})")
                 elif rec.state != State.DEAD:
                     sb.record = rec = rec.model_copy(update={"state": State.DEAD, "reason": f"lost: {e}"})
+            RECOVERED()
             sb.record = await self.store.put(rec)
             sb._stored = rec.state
             self.sandboxes[sb.id] = sb
             sb.publish_egress()
             log.info("sandbox %s recovered: %s%s", sb.id, rec.state, f" ({rec.reason})" if rec.reason else "")
+        # Checkpoints a crash interrupted, now that an image one of them held has been kept.
+        await asyncio.to_thread(self.checkpoints.sweep)
         # The state directories of adopted runtimes started as pooled sandboxes have the pool's names.
         keep = set(self.sandboxes) | {rt.spec.state_dir.name for rt in adopted.values()}
         # A paused image is kept only for a record that resumes from it.
         images = {sb.id for sb in self.sandboxes.values() if sb.state == State.PAUSED and sb.record.paused_image}
         home = self.settings.home
+        LEFTOVERS()
         await reap_mounts(home / "workspaces", keep=self.sandboxes)
         orphans = 0
         for leftover, kept in (("sandboxes", keep), ("workspaces", keep), ("paused", images)):
@@ -328,6 +392,33 @@ class SandboxManager:
                         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         if orphans:  # a delete (or a start) the last gateway did not finish: its checkpoints go too
             await self.gc()
+
+    def _image_whole(self, rec: SandboxRecord) -> bool:
+        """Whether a record left checkpointing or pausing names a running-state image its
+        driver finished writing (the runtime it was taken from is gone)."""
+        return bool(rec.paused_image) and rec.driver in self.drivers and \
+            self.drivers[rec.driver].image_whole(Path(rec.paused_image))
+
+    def _keep_image(self, rec: SandboxRecord) -> SandboxRecord:
+        """Killed after its checkpoint or pause to disk had stopped the runtime into a whole
+        image: paused, resuming from that image with its memory. One inside an unfinished
+        checkpoint moves to ``paused/<id>/`` first (that checkpoint was never answered, and
+        the sweep removes it)."""
+        image, paused = Path(rec.paused_image), self.settings.home / "paused" / rec.id
+        try:
+            if image != paused:
+                shutil.rmtree(paused, ignore_errors=True)
+                paused.parent.mkdir(parents=True, exist_ok=True)
+                KEEP_IMAGE()
+                os.rename(image, paused)
+        except OSError as e:
+            log.warning("sandbox %s: the running-state image its %s took is lost: %s", rec.id, rec.state, e)
+            return self._lost(rec, f"the gateway stopped while it was {rec.state} and its image could not be kept")
+        return rec.model_copy(update={
+            "state": State.PAUSED, "pause_mode": "disk", "paused_image": str(paused),
+            "reason": None if rec.state == State.PAUSING else
+            f"the gateway stopped while it was {rec.state}: it resumes from the running state saved then, "
+            "memory whole; that checkpoint was not kept"})
 
     def _resumes_again(self, rec: SandboxRecord) -> bool:
         """Whether a record left resuming still has what it resumed from: its paused
@@ -347,13 +438,19 @@ class SandboxManager:
         (a paused or frozen one is resumed for that), stop it here, and leave
         its record to whichever node is asked for it next (Fleet.locate).
         Returns the checkpoint's id (None for a dead one, handed off as it is)."""
+        with faults.operation("drain"):
+            return await self._hand_off(sb)
+
+    async def _hand_off(self, sb: Sandbox) -> Optional[str]:
         cid = None
         update = {"node": "", "runtime": None}
         if sb.state != State.DEAD:
             cid = (await sb.checkpoint("drain", resume=False)).id
             update.update(state=State.PAUSED, pause_mode="disk", paused_image=None, resume_from=cid,
                           reason=f"moved off node {self.store.node} by a drain: it resumes from checkpoint {cid}")
+        DRAIN_STORE()
         await self.store.put(sb.record.model_copy(update=update))
+        DRAIN_STORED()
         self.sandboxes.pop(sb.id, None)
         if self.egress:
             self.egress.forget(sb.id)

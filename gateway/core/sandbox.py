@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Dict, List, Optional
 
 from sandgate_agent import protocol as P
 
-from .. import metrics
+from .. import faults, metrics
 from ..agent_link import AgentError, AgentLink
 from ..checkpoints import Checkpoint, OverQuota, SnapshotTooLarge, StoreQuota, dir_size
 from ..drivers.base import Sandbox as Runtime
@@ -47,6 +47,44 @@ if TYPE_CHECKING:
     from .manager import SandboxManager
 
 log = logging.getLogger("sandgate.sandbox")
+
+# Fault points (faults.py): before each step a crash or a failure could cut in two, and after
+# (".done") where what follows is not itself a point.
+point = faults.point
+# Each store write of a state, by the operations that write it on their way.
+WRITES = {State.RUNNING: ("start", "fork", "checkpoint", "resume", "restart"), State.CHECKPOINTING: ("checkpoint",),
+          State.PAUSING: ("pause_disk", "pause_memory"), State.PAUSED: ("pause_disk",),
+          State.FROZEN: ("pause_memory",), State.RESUMING: ("resume",), State.RESTARTING: ("restart",),
+          State.DELETED: ("delete",)}
+STORE = {st: point(f"store.{st.value}", *ops, error=OSError) for st, ops in WRITES.items()}
+STORED = {st: point(f"store.{st.value}.done", *ops) for st, ops in WRITES.items()}
+CREATE = point("driver.create", "start", "restart", error=SandboxError)
+CREATED = point("driver.create.done", "start", "restart")
+RESTORE = point("driver.restore", "fork", "resume", "checkpoint", error=SandboxError)
+RESTORED = point("driver.restore.done", "fork", "resume", "checkpoint")
+RECONNECT = point("agent.reconnect", "fork", "resume", "checkpoint", error=AgentError)
+PING = point("agent.ping", "checkpoint", "pause_disk", error=AgentError)
+CHECKPOINT = point("driver.checkpoint", "checkpoint", "pause_disk", error=SandboxError)
+CHECKPOINTED = point("driver.checkpoint.done", "checkpoint", "pause_disk")
+IN_PLACE = point("driver.checkpoint_in_place", "checkpoint", error=SandboxError)
+IN_PLACE_DONE = point("driver.checkpoint_in_place.done", "checkpoint")
+UNPAUSE = point("driver.unpause", "checkpoint", error=SandboxError)
+FREEZE = point("driver.freeze", "pause_memory", error=SandboxError)
+FROZE = point("driver.freeze.done", "pause_memory")
+THAW = point("driver.thaw", "resume", error=SandboxError)
+THAWED = point("driver.thaw.done", "resume")
+DESTROY = point("runtime.destroy", "checkpoint", "pause_disk", "delete")
+DESTROYED = point("runtime.destroy.done", "checkpoint", "pause_disk", "delete")
+SNAPSHOT = point("checkpoint.snapshot", "checkpoint", error=OSError)
+STORE_STATE = point("checkpoint.store_state", "checkpoint", error=OSError)
+COMMIT = point("checkpoint.commit", "checkpoint", error=OSError)
+COMMITTED = point("checkpoint.commit.done", "checkpoint")
+HEAD = point("store.head", "checkpoint", error=OSError)
+AGENT_RESTART = point("agent.restart", "restart", error=AgentError)
+REMOVE_IMAGE = point("files.paused_image.remove", "resume", "pause_disk")
+REMOVED_IMAGE = point("files.paused_image.remove.done", "resume")
+WORKSPACE_DELETE = point("files.workspace.delete", "delete", error=WorkspaceError)
+WORKSPACE_DELETED = point("files.workspace.delete.done", "delete")
 
 
 def reconnect_args(egress: Optional[dict] = None, env: Optional[Dict[str, str]] = None) -> dict:
@@ -156,6 +194,8 @@ class Sandbox:
         """Move to ``new`` (the table must allow it) in memory, at once."""
         old = self.record.state
         states.check(old, new)
+        if new in (State.RUNNING, State.FROZEN, State.DEAD):  # an image being taken is no longer its state
+            changes.setdefault("paused_image", None)
         self.record = self.record.model_copy(update={"state": new, **changes})
         log.info("sandbox %s: %s -> %s%s", self.id, old, new,
                  f" ({self.record.reason})" if new == State.DEAD and self.record.reason else "")
@@ -191,8 +231,12 @@ class Sandbox:
                 self.record = written
 
     async def to(self, new: State, **changes) -> None:
+        if new in STORE:
+            STORE[new]()  # before the state changes: a failure leaves memory and store as they were
         self._set(new, **changes)
         await self.save()
+        if new in STORED:
+            STORED[new]()
 
     def to_now(self, new: State, **changes) -> None:
         """For callbacks that cannot wait (the runtime died): memory now, store soon."""
@@ -261,11 +305,20 @@ class Sandbox:
         t0 = time.monotonic()
         try:
             await self.ws.create()  # nothing if it exists (restart, resume)
+            (RESTORE if restore_from else CREATE)()
             runtime = await (self.driver.restore(spec, restore_from, consume) if restore_from
                              else self.driver.create(spec))
+            (RESTORED if restore_from else CREATED)()
         except (SandboxError, WorkspaceError) as e:
             raise Unavailable(f"sandbox {self.id} failed to {'restore' if restore_from else 'start'}: {e}") from None
         exited = self._attach(runtime)
+        if restore_from:
+            try:
+                RECONNECT()
+            except AgentError as e:  # as if the agent had refused: the runtime goes with the error
+                exited.cancel()
+                await self.teardown()
+                raise Unavailable(f"sandbox {self.id} failed to restore: {e}") from None
         # A restored agent said "ready" long ago; it is asked to reconnect instead.
         ready = asyncio.ensure_future(self.link.request("reconnect", reconnect_args(self._egress_args(), setup_env),
                                                         timeout=s.kernel_start_timeout)
@@ -337,7 +390,11 @@ class Sandbox:
         answers once thawed. Raises Unavailable, with the runtime torn down."""
         runtime.spec.workspace = self.workspace  # a pooled one was started under another name
         exited = self._attach(runtime)
-        if self.state == State.RUNNING:
+        if self.state not in (State.RUNNING, State.FROZEN):
+            # Caught mid-operation (a checkpoint or pause not taken, a restart, a thaw): whatever
+            # stopped the runtime where it is is undone, and it runs on as before.
+            await self.driver.undo_pause(runtime)
+        if self.state != State.FROZEN:
             try:
                 await self.link.request("ping", timeout=self.manager.settings.kernel_start_timeout)
             except AgentError as e:
@@ -444,7 +501,9 @@ class Sandbox:
             await self.link.close()
             self.link = None
         if self.runtime:
+            DESTROY()
             await self.runtime.destroy()
+            DESTROYED()
             self.runtime = None
         self.record = self.record.model_copy(update={"runtime": None})
 
@@ -489,6 +548,7 @@ class Sandbox:
                                   f"egress connections: {e}") from None
             await self.link.tunnels.close_all("the sandbox is being checkpointed", tell_peer=False)
         try:
+            PING()
             await self.link.request("ping", timeout=30)
         except AgentError as e:
             await self._reopen_egress(egress)
@@ -505,7 +565,9 @@ class Sandbox:
         it was (``_unpause`` ends that); if that fails, it runs on untouched."""
         egress = await self._ready_for_image()
         try:
+            IN_PLACE()
             await self.driver.checkpoint_in_place(self.runtime, image_dir)
+            IN_PLACE_DONE()
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError):
                 await self._reopen_egress(egress)
@@ -523,6 +585,7 @@ class Sandbox:
         """From the pause ``_pause_into`` left: running again, the egress listener
         open; if the runtime cannot go on, a restore from the image just taken."""
         try:
+            UNPAUSE()
             await self.driver.unpause(self.runtime)
         except SandboxError as e:
             log.warning("sandbox %s: could not carry on in place (%s); restoring it from its image", self.id, e)
@@ -540,7 +603,9 @@ class Sandbox:
             self._watch.cancel()
             self._watch = None
         try:
+            CHECKPOINT()
             await self.driver.checkpoint(self.runtime, image_dir)
+            CHECKPOINTED()
         except BaseException as e:
             why, reconnected = None, False
             if self.runtime and self.runtime.running:
@@ -638,15 +703,18 @@ class Sandbox:
     async def checkpoint(self, name: str = "", resume: bool = True, quota: Optional[StoreQuota] = None) -> Checkpoint:
         """``quota``: what the owner's checkpoints may still store; past it the checkpoint is
         refused (QuotaExceeded) and nothing of it kept."""
-        async with self.lock:
-            await self._run_again()
-            return await self._checkpoint(name, resume, quota)
+        with faults.operation("checkpoint"):
+            async with self.lock:
+                await self._run_again()
+                return await self._checkpoint(name, resume, quota)
 
     async def _checkpoint(self, name: str, resume: bool, quota: Optional[StoreQuota] = None) -> Checkpoint:
         store = self.manager.checkpoints
-        await self.to(State.CHECKPOINTING)
         cid, _ = store.new_dir()
         image = store.state_dir(cid)
+        # The record names the image being taken: a gateway killed once it is whole and the
+        # runtime stopped resumes the sandbox from it, memory and all (manager.recover).
+        await self.to(State.CHECKPOINTING, paused_image=str(image))
         t0 = time.monotonic()
         # In place where the driver can (the sandbox waits paused, then goes on), else
         # stopped by the checkpoint and restored from it.
@@ -663,6 +731,7 @@ class Sandbox:
             raise
         owner = self.record.owner  # blobs deduplicated within the tenant only
         try:
+            SNAPSHOT()
             files, new = await store.snapshot_async(self.workspace, cid=cid, owner=owner,  # stopped: same instant as memory
                                                     quota=quota)
         except BaseException as e:
@@ -691,6 +760,7 @@ class Sandbox:
             except Unavailable as e:
                 carry_on_failed = e
         try:
+            STORE_STATE()
             state_bytes, state_new = await asyncio.to_thread(store.store_state, cid, owner, self.driver.state_images)
             if quota is not None and state_new + new > quota.left:  # the image's share is known only now
                 raise quota.refuse(state_new + new)
@@ -699,7 +769,9 @@ class Sandbox:
                             state_bytes=state_bytes, files=files,
                             files_bytes=sum(f.size for f in files.values() if f.link is None), new_bytes=new,
                             stored_bytes=state_new + new, executions=self.executions.to_record())
+            COMMIT()
             await asyncio.to_thread(store.commit, cp)  # from here on it is listed, and whole
+            COMMITTED()
             # Its image assembled now, in the background, so that forking it skips that step.
             store.assemble_ahead(cid, protect=self.manager.pool.templates.values())
         except BaseException as e:
@@ -716,6 +788,7 @@ class Sandbox:
         # Stored now: the carry-on saved the record before the head existed, and a fleet node
         # taking this sandbox over after its node dies resumes it from the stored head.
         if resume:
+            HEAD()
             await self.save()
         if carry_on_failed:
             raise carry_on_failed
@@ -742,6 +815,10 @@ class Sandbox:
     async def pause(self, mode: str = "disk", shutdown: bool = False) -> None:
         """``disk``: checkpoint and stop, memory freed. ``memory``: the driver
         freezes the runtime where it is; resuming takes milliseconds."""
+        with faults.operation("pause_disk" if mode == "disk" else "pause_memory"):
+            await self._pause_locked(mode, shutdown)
+
+    async def _pause_locked(self, mode: str, shutdown: bool) -> None:
         async with self.lock:
             if self.state == State.PAUSED or (self.state == State.FROZEN and mode == "memory"):
                 return
@@ -751,22 +828,29 @@ class Sandbox:
             await self._pause(mode)
 
     async def _pause(self, mode: str) -> None:
-        await self.to(State.PAUSING)
+        image = self.manager.settings.home / "paused" / self.id
+        await self.to(State.PAUSING, paused_image=str(image) if mode == "disk" else None)
         if mode == "memory":
             try:
+                FREEZE()
                 await self.driver.freeze(self.runtime)
+                FROZE()
             except SandboxError as e:
                 await self.to(State.RUNNING)
                 raise Unavailable(f"could not pause sandbox {self.id} in memory: {e}") from None
             await self.to(State.FROZEN, pause_mode="memory")
             return
-        image = self.manager.settings.home / "paused" / self.id
+        REMOVE_IMAGE()
         shutil.rmtree(image, ignore_errors=True)
         await self._stop(image)
         await self.to(State.PAUSED, pause_mode="disk", paused_image=str(image))
         log.info("sandbox %s paused (state on disk, %d B)", self.id, dir_size(image))
 
     async def resume(self) -> None:
+        with faults.operation("resume"):
+            await self._resume_locked()
+
+    async def _resume_locked(self) -> None:
         self._not_deleted()
         async with self.lock:
             self._not_deleted()  # deleted while this waited: not a 200 "deleted"
@@ -782,7 +866,9 @@ class Sandbox:
         await self.to(State.RESUMING)
         if r.state == State.FROZEN:
             try:
+                THAW()
                 await self.driver.thaw(self.runtime)
+                THAWED()
             except SandboxError as e:
                 await self.teardown()
                 await self.to(State.DEAD, reason=f"could not be thawed: {e}", pause_mode=None)
@@ -812,7 +898,9 @@ class Sandbox:
         await self.to(State.RUNNING, paused_image=None, pause_mode=None, resume_from=None,
                       reason=None if not r.resume_from else r.reason)
         if consume:
+            REMOVE_IMAGE()
             shutil.rmtree(image, ignore_errors=True)
+            REMOVED_IMAGE()
         if r.resume_from:  # clients learn what the recovery cost them, on the kernel's own channel
             self.fanout.broadcast("iopub", message("stream", {"name": "stderr", "text": f"[sandgate: {r.reason}]\n"}))
             self.fanout.broadcast("iopub", status_message("idle"))
@@ -852,6 +940,10 @@ class Sandbox:
     async def restart(self) -> None:
         """Restart ipykernel in its runtime; a dead runtime is created anew
         over the same workspace, so files survive either way."""
+        with faults.operation("restart"):
+            await self._restart_locked()
+
+    async def _restart_locked(self) -> None:
         self._not_deleted()
         async with self.lock:
             self._not_deleted()  # deleted while this waited
@@ -867,6 +959,7 @@ class Sandbox:
             self._fail_pending("the kernel was restarted")
             if in_place:
                 try:
+                    AGENT_RESTART()
                     await self.link.request("restart", timeout=self.manager.settings.kernel_start_timeout)
                     self.activity = "idle"
                     await self.to(State.RUNNING, reason=None)
@@ -884,6 +977,10 @@ class Sandbox:
             self.fanout.broadcast("iopub", status_message("idle"))
 
     async def delete(self) -> None:
+        with faults.operation("delete"):
+            await self._delete_locked()
+
+    async def _delete_locked(self) -> None:
         async with self.lock:
             if self.state == State.DELETED:
                 return  # another DELETE, which this one waited for, did it
@@ -898,7 +995,9 @@ class Sandbox:
                 await self.teardown(frozen=frozen)
             finally:  # files next: a failure here is logged, and the next start sweeps what is left
                 try:
+                    WORKSPACE_DELETE()
                     await self.ws.delete()
+                    WORKSPACE_DELETED()
                 except WorkspaceError as e:
                     log.warning("sandbox %s: workspace left behind: %s", self.id, e)
                 home = self.manager.settings.home

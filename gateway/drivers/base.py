@@ -308,6 +308,30 @@ class Driver(abc.ABC):
         it; if the restore fails, ``image_dir`` must be left whole."""
         raise SandboxError(f"the {self.name} driver cannot restore")
 
+    async def settle(self, runtime: str) -> None:
+        """Before adopting ``runtime`` after a gateway was killed: wait (bounded) for what
+        that gateway had started on it and that outlives it (a checkpoint) to end."""
+
+    async def undo_pause(self, sandbox: Sandbox) -> None:
+        """An adopted runtime caught mid-operation: end whatever pause (a freeze, a
+        checkpoint in place) that operation may have left it in; nothing if none."""
+        try:
+            await self.thaw(sandbox)
+        except SandboxError:
+            pass  # not frozen, or no freezing here
+        if self.checkpoints_in_place:
+            try:
+                await self.unpause(sandbox)
+            except SandboxError:
+                pass  # not paused
+
+    def image_whole(self, image_dir: Path) -> bool:
+        """Whether ``image_dir`` holds a running-state image this driver finished writing."""
+        try:
+            return any(image_dir.iterdir())
+        except OSError:
+            return False
+
     def after_restore(self, sandbox: Sandbox) -> None:
         """A restored sandbox's agent has answered: housekeeping that must not
         slow the restore itself starts here (gVisor hands its heap back)."""

@@ -286,6 +286,20 @@ def _exiting(pid: int) -> bool:
     return not flags & PF_KTHREAD and (state in ("Z", "X") or bool(flags & PF_EXITING))
 
 
+def _checkpointing(runtime: str) -> bool:
+    """Whether a `runsc ... checkpoint ... <runtime>` process runs."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"checkpoint" in argv and runtime.encode() in argv and b"runsc" in argv[0]:
+            return True
+    return False
+
+
 def reclaim_enabled(setting: str, rootless: bool, runsc_date: int) -> bool:
     """`auto` is on as root with a runsc older than directfs. As root (with
     --network=none) the Sentry runs as nobody in an empty read-only tmpfs root
@@ -548,6 +562,19 @@ class GVisorDriver(Driver):
         except asyncio.TimeoutError:
             raise SandboxError("sandbox did not stop after its checkpoint") from None
         await self.delete(sandbox.id)
+
+    async def settle(self, runtime: str, timeout: float = 120) -> None:
+        # A `runsc checkpoint` is the killed gateway's child, not killed with it: it goes on
+        # writing the image and then stops the sandbox. Adopting meanwhile would adopt a
+        # sandbox about to stop; waiting tells which it is, running or a whole image.
+        end = time.monotonic() + timeout
+        while _checkpointing(runtime) and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        if time.monotonic() >= end:
+            log.warning("runtime %s: a runsc checkpoint still runs after %g s", runtime, timeout)
+
+    def image_whole(self, image_dir: Path) -> bool:
+        return (image_dir / "checkpoint.img").is_file()
 
     async def freeze(self, sandbox: Sandbox) -> None:
         # The sandbox's freezer cgroup, not `runsc pause`: this runsc answers a
