@@ -467,6 +467,37 @@ def test_a_runtime_ends_once_no_gateway_holds_it_or_renews_its_lease(tmp_path):
             proc.wait()
 
 
+def test_a_frozen_runtime_past_its_lease_is_thawed_to_be_ended(tmp_path):
+    """A sandbox paused in memory sits in a frozen cgroup, where SIGKILL waits for a thaw: the shim
+    thaws it after the kill, so the lease ends it too."""
+    name = f"sandgate/sg-shimtest-{os.urandom(4).hex()}"
+    v1 = Path("/sys/fs/cgroup/freezer") / name
+    group = v1 if v1.parent.parent.is_dir() else Path("/sys/fs/cgroup") / name
+    control, frozen = (("freezer.state", "FROZEN") if group == v1 else ("cgroup.freeze", "1"))
+    group.mkdir(parents=True)
+    lease = tmp_path / "runtimes.lease"  # never written: only the shim's start counts
+    argv = shim_argv(tmp_path, "start", cgroup=name, lease=(lease, 1.0))
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        sandbox = int(wait_for(lambda: pid_in(tmp_path / "sandbox.pid"), timeout=30))
+        (group / "cgroup.procs").write_text(str(sandbox))
+        (group / control).write_text(frozen)
+        if group == v1:
+            wait_for(lambda: (group / "freezer.state").read_text().strip() == "FROZEN", timeout=30)
+        assert proc.wait(timeout=60) == 137
+        assert gone(sandbox)
+        assert not group.exists()  # emptied by the kill, removed as the shim ended
+    finally:
+        if proc.poll() is None:
+            (group / control).write_text("THAWED" if group == v1 else "0")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if group.exists():
+            wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), timeout=30)
+            group.rmdir()
+
+
 def _connected(path: Path):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)

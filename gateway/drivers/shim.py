@@ -59,7 +59,7 @@ HIGH_WATER = 4 * CHUNK  # bytes queued toward one side before the other side is 
 
 class Shim:
     def __init__(self, listener: socket.socket, pid: int, stdin: int, stdout: int, wakeup: int,
-                 pidfile: str = "", lease: tuple = ()):
+                 pidfile: str = "", lease: tuple = (), cgroup: str = ""):
         self.sel = selectors.DefaultSelector()
         self.listener, self.pid, self.stdin, self.stdout, self.wakeup = listener, pid, stdin, stdout, wakeup
         self.pidfile = pidfile  # until the launcher has exited (--detached): where it names the sandbox
@@ -75,6 +75,7 @@ class Shim:
         self.agent_eof = False
         self.code = None
         self.lease = lease  # (file, seconds), or () for none
+        self.cgroup = cgroup
         self.gateway_seen = time.time()  # the gateway that started us was there
         self.lease_ended = False
         for fd in (listener, stdin, stdout, wakeup):
@@ -154,6 +155,8 @@ class Shim:
                 os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if self.cgroup:
+            thaw(self.cgroup)  # a frozen (paused in memory) sandbox takes its SIGKILL only once thawed
 
     def flush(self) -> None:
         """The runtime has exited: what it wrote before that still goes to the
@@ -423,6 +426,17 @@ def remove_cgroups(name: str) -> None:
             pass
 
 
+def thaw(name: str) -> None:
+    """Thaw the freezer cgroup ``name`` (``sandgate/<runtime id>``), v1 or v2, if it is there."""
+    for path, value in ((f"/sys/fs/cgroup/freezer/{name}/freezer.state", "THAWED"),
+                        (f"/sys/fs/cgroup/{name}/cgroup.freeze", "0")):
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except OSError:
+            pass
+
+
 def become_subreaper() -> None:
     """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
     import ctypes  # only here: the plain shim does without its memory
@@ -453,7 +467,7 @@ def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = 
         os.umask(old)
     listener.listen(4)
     pid, stdin, stdout = spawn(argv)  # only once the socket is there: a shim that fails leaves no runtime behind
-    shim = Shim(listener, pid, stdin, stdout, wake_r, pidfile, lease)
+    shim = Shim(listener, pid, stdin, stdout, wake_r, pidfile, lease, cgroup)
     code = shim.run()
     listener.close()
     if pidfile:
