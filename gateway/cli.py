@@ -289,6 +289,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.chaos:
+        from sandgate_bench.chaos import run as run_chaos
+
+        return run_chaos(args)
     if args.hostile:
         from sandgate_bench.hostile import run as run_hostile
 
@@ -464,6 +468,17 @@ def main(argv=None) -> int:
     b.add_argument("--hostile-attacks", metavar="A,B",
                    help="with --hostile: only these attacks (gzip, heads, half_open, tokens, downloads, websockets, "
                         "execute; default all), to see what each costs")
+    b.add_argument("--chaos", action="store_true",
+                   help="the chaos soak: clients doing random operations while gateways, shims, runsc, Redis and "
+                        "nodes are killed at random; reports operations, faults, invariant violations and recovery")
+    b.add_argument("--minutes", type=float, default=5.0, metavar="M", help="with --chaos: how long (default 5)")
+    b.add_argument("--seed", type=int, metavar="S", help="with --chaos: the seed (default: a random one, printed)")
+    b.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="with --chaos: 1 gateway, or a fleet of 2 or 3 sharing a redis-server (default 1)")
+    b.add_argument("--chaos-clients", type=int, default=3, metavar="N",
+                   help="with --chaos: clients, each with a sandbox or two (default 3)")
+    b.add_argument("--chaos-fault-interval", type=float, default=20.0, metavar="S",
+                   help="with --chaos: mean seconds between one fault's recovery and the next fault (default 20)")
     b.add_argument("--trace", action="store_true",
                    help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
                         "round trip goes (gateway, agent, kernel; median ms per message)")
