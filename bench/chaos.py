@@ -23,6 +23,7 @@ import datetime as dt
 import os
 import random
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ from .kernels import BenchError, SandgateTarget, _default_home, conclude, prefli
 OPERATIONS = {"execute": 10, "checkpoint": 2, "fork": 1, "pause_disk": 1, "pause_memory": 1, "resume": 1,
               "restart": 1, "delete": 1, "files": 2}
 FAULTS_ONE = ("gateway_kill", "gateway_term", "shim_kill", "runsc_kill")
+FAULT_DISK = "disk_full"  # with homes on loop files of their own: never the host's disk
 FAULTS_FLEET = ("redis_restart", "node_death")
 FLEET_KEY = "chaos-fleet-key-0123456789abcdef0123456789abcdef"
 LEASE = 30  # seconds: a dead node's runtimes end while the soak still runs
@@ -45,8 +47,9 @@ MAX_PER_CLIENT = 2
 class Fleet:
     """The gateways (one, or N sharing Redis), started again on their homes after a fault."""
 
-    def __init__(self, logdir: Path, image_home: Path, nodes: int):
+    def __init__(self, logdir: Path, image_home: Path, nodes: int, disk_mb: int = 0):
         self.logdir, self.redis, self.lock = logdir, None, threading.Lock()
+        self.mounted: List[Path] = []
         common = {"SANDGATE_KEEP_SANDBOXES": "true", "SANDGATE_WARM_START": "false", "SANDGATE_POOL_SIZE": "0",
                   "SANDGATE_MAX_KERNELS": "32", "SANDGATE_TENANT_MAX_SANDBOXES": "0",
                   "SANDGATE_TENANT_CREATE_RATE": "0", "SANDGATE_RUNTIME_LEASE": str(LEASE)}
@@ -61,8 +64,37 @@ class Fleet:
         for i in range(nodes):
             name = f"node-{chr(ord('a') + i)}"
             self.nodes.append(SandgateTarget(logdir, image_home, name, {**common, "SANDGATE_NODE_ID": name}))
+            if disk_mb:
+                self.small_home(self.nodes[-1].home, disk_mb)
         self.starts: Dict[str, int] = {}
         self.down: set = set()
+
+    def small_home(self, home: Path, mb: int) -> None:
+        """The home on an ext4 file system of ``mb`` MiB in a loop file, so that filling it fills
+        nothing else; the built image stays outside, through its symlink."""
+        if os.geteuid() != 0:
+            raise BenchError("a home on a loop file needs root: run as root, or --chaos-disk-mb 0 (no full-disk faults)")
+        image, link = home.with_suffix(".img"), os.readlink(home / "images")
+        with open(image, "wb") as f:
+            f.truncate(mb << 20)
+        for argv in (["mkfs.ext4", "-q", "-F", str(image)], ["mount", "-o", "loop", str(image), str(home)]):
+            r = subprocess.run(argv, capture_output=True, text=True)
+            if r.returncode:
+                raise BenchError(f"{' '.join(argv[:2])}: {r.stderr.strip()}")
+        self.mounted.append(home)
+        (home / "images").symlink_to(link, target_is_directory=True)
+
+    def fill(self, t: SandgateTarget) -> Path:
+        """Fill the node's home to its last block; returns the file that does it."""
+        filler = t.home / "chaos-filler"
+        with open(filler, "wb") as f:
+            block = bytes(1 << 20)
+            try:
+                while True:
+                    f.write(block)
+            except OSError:  # ENOSPC: full
+                pass
+        return filler
 
     def start(self, t: SandgateTarget) -> None:
         n = self.starts[t.name] = self.starts.get(t.name, 0) + 1
@@ -97,6 +129,8 @@ class Fleet:
                     t.proc.kill()
         if self.redis:
             self.redis.stop()
+        for home in self.mounted:
+            subprocess.run(["umount", "-R", "-l", str(home)], capture_output=True)  # lazily: a busy one goes when freed
 
 
 class Client(threading.Thread):
@@ -213,33 +247,42 @@ class Client(threading.Thread):
         """A put then a get of a small file; files follow the workspace (a restore may take them back), so
         what comes back is not judged here: the checker judges state, this is load."""
         path = f"chaos-{self.rng.randrange(4)}.txt"
-        api = self.fleet.api(self.net)
-        if api is None:
-            return False
-        data = self.rng.randbytes(self.rng.randrange(1, 32 << 10)).hex().encode()  # text: the GET is read as JSON or text
+        data = self.rng.randbytes(self.rng.randrange(1, 32 << 10))
+        return self.raw("PUT", f"/api/sandboxes/{sid}/files/{path}", data) == 201 and \
+            self.raw("GET", f"/api/sandboxes/{sid}/files/{path}") == 200
+
+    def raw(self, method: str, path: str, data: Optional[bytes] = None) -> int:
+        """A call whose bodies are bytes, not JSON (files); its status, 0 if it got none."""
+        import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(f"{api.url}/api/sandboxes/{sid}/files/{path}", data=data, method="PUT",
+        api = self.fleet.api(self.net)
+        if api is None:
+            self.last = f"{method} {path.split('/')[-1]}: no node is up"
+            return 0
+        req = urllib.request.Request(api.url + path, data=data, method=method,
                                      headers={"Authorization": f"token {api.token}"})
         try:
-            with urllib.request.urlopen(req, timeout=90):
-                pass
-            code, _ = self.call("GET", f"/api/sandboxes/{sid}/files/{path}")
-        except (OSError, ValueError) as e:
-            self.last = f"PUT {path}: {e}"
-            return False
-        return code == 200
+            with urllib.request.urlopen(req, timeout=90) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            self.last = f"{method} {path.split('/')[-1]}: {e.code} {e.read()[:300]!r}"
+            return e.code
+        except OSError as e:
+            self.last = f"{method} {path.split('/')[-1]}: {e}"
+            return 0
 
 
 class Injector(threading.Thread):
     """The faults, one at a time at random intervals, each waited out (its sandboxes answering again)."""
 
     def __init__(self, seed: int, fleet: Fleet, ledger: Ledger, lock: threading.Lock, stop: threading.Event,
-                 interval: float):
+                 interval: float, disk: bool = False):
         super().__init__(name="chaos-faults", daemon=True)
         self.rng = random.Random(seed)
         self.fleet, self.ledger, self.lock, self.stop, self.interval = fleet, ledger, lock, stop, interval
-        self.kinds = FAULTS_ONE + (FAULTS_FLEET if len(fleet.nodes) > 1 else ())
+        self.kinds = FAULTS_ONE + (FAULTS_FLEET if len(fleet.nodes) > 1 else ()) + ((FAULT_DISK,) if disk else ())
         self.injected: Dict[str, int] = {}
         self.recovery: List[float] = []
         self.unrecovered: List[str] = []
@@ -249,10 +292,11 @@ class Injector(threading.Thread):
         try:
             while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.interval):
                 kind = self.rng.choice(self.kinds)
-                t0, affected = time.monotonic(), self.inject(kind)
                 self.injected[kind] = self.injected.get(kind, 0) + 1
-                progress(f"fault {sum(self.injected.values())}: {kind} ({len(affected)} sandboxes)")
+                progress(f"fault {sum(self.injected.values())}: {kind}")
+                t0, affected = time.monotonic(), self.inject(kind)
                 self.wait_answering(kind, t0, affected)
+                progress(f"  {len(affected)} sandboxes touched, {len(self.unrecovered)} not answering so far")
         except BenchError as e:
             self.error = str(e)
             self.stop.set()
@@ -279,6 +323,11 @@ class Injector(threading.Thread):
             except ProcessLookupError:
                 return []
             return [s for s in every if s in cmd]
+        if kind == FAULT_DISK:  # full for a while, as a runaway log would make it, then freed
+            filler = self.fleet.fill(node)
+            self.stop.wait(self.rng.uniform(5, 20))
+            filler.unlink()
+            return every
         if kind == "redis_restart":
             self.fleet.redis.restart()
             return every
@@ -332,16 +381,16 @@ def percentile(values: List[float], q: float) -> Optional[float]:
 
 
 def soak(image_home: Path, logdir: Path, minutes: float, seed: int, nodes: int, clients: int,
-         fault_interval: float) -> dict:
+         fault_interval: float, disk_mb: int = 0) -> dict:
     """Run the soak; its report (raises BenchError when it could not run)."""
-    fleet = Fleet(logdir, image_home, nodes)
+    fleet = Fleet(logdir, image_home, nodes, disk_mb)
     ledger, lock, stop = Ledger(), threading.Lock(), threading.Event()
     try:
         for t in fleet.nodes:
             progress(f"starting {t.name} on port {t.port}")
             fleet.start(t)
         workers = [Client(i, seed, fleet, ledger, lock, stop) for i in range(clients)]
-        injector = Injector(seed, fleet, ledger, lock, stop, fault_interval)
+        injector = Injector(seed, fleet, ledger, lock, stop, fault_interval, disk=bool(disk_mb))
         t0 = time.monotonic()
         for w in workers:
             w.start()
@@ -437,7 +486,8 @@ def run(args) -> int:
         preflight(home)
         seed = args.seed if args.seed is not None else random.randrange(1 << 30)
         progress(f"chaos soak: seed {seed}, {args.nodes} node(s), {args.minutes:g} min (logs {logdir})")
-        report = soak(home, logdir, args.minutes, seed, args.nodes, args.chaos_clients, args.chaos_fault_interval)
+        report = soak(home, logdir, args.minutes, seed, args.nodes, args.chaos_clients, args.chaos_fault_interval,
+                      args.chaos_disk_mb)
     except BenchError as e:
         failed = str(e)
     except KeyboardInterrupt:

@@ -479,6 +479,10 @@ def main(argv=None) -> int:
                    help="with --chaos: clients, each with a sandbox or two (default 3)")
     b.add_argument("--chaos-fault-interval", type=float, default=20.0, metavar="S",
                    help="with --chaos: mean seconds between one fault's recovery and the next fault (default 20)")
+    b.add_argument("--chaos-disk-mb", type=int, default=4096, metavar="MB",
+                   help="with --chaos: each node's home is an ext4 file system of this size on a loop file (root), "
+                        "which the full-disk fault fills; 0: homes on the host's disk and no full-disk fault "
+                        "(default 4096)")
     b.add_argument("--trace", action="store_true",
                    help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
                         "round trip goes (gateway, agent, kernel; median ms per message)")
