@@ -165,6 +165,9 @@ class Client(threading.Thread):
     def run(self) -> None:
         kinds, weights = zip(*OPERATIONS.items())
         while not self.stop.is_set():
+            if not self.fleet.up():  # every gateway down (being restarted): no operation to count, only a wait
+                self.stop.wait(0.5)
+                continue
             if not self.mine:
                 self.create()
                 continue
