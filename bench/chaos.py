@@ -22,8 +22,10 @@ from __future__ import annotations
 import datetime as dt
 import os
 import random
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -474,10 +476,10 @@ def table(r: dict) -> str:
 def run(args) -> int:
     home = Path(args.home) if args.home else _default_home()
     if not 1 <= args.nodes <= 3:
-        print("sandgate bench: --nodes is 1, 2 or 3", file=__import__("sys").stderr)
+        print("sandgate bench: --nodes is 1, 2 or 3", file=sys.stderr)
         return 2
     if args.minutes <= 0:
-        print("sandgate bench: --minutes must be above 0", file=__import__("sys").stderr)
+        print("sandgate bench: --minutes must be above 0", file=sys.stderr)
         return 2
     logdir = Path(tempfile.mkdtemp(prefix="sandgate-bench-chaos-"))
     failed, report = None, {}
@@ -491,4 +493,10 @@ def run(args) -> int:
         failed = str(e)
     except KeyboardInterrupt:
         failed = "interrupted"
+    if report.get("violations"):  # the gateways' logs outlive the run that found something
+        kept = Path(tempfile.mkdtemp(prefix=f"sandgate-chaos-{report['seed']}-logs-"))
+        for log in logdir.glob("*.log"):
+            shutil.copy(log, kept)
+        report["logs"] = str(kept)
+        print(f"gateway logs kept in {kept}", file=sys.stderr)
     return conclude(failed, logdir, args.output, report, table)
