@@ -292,6 +292,7 @@ class Injector(threading.Thread):
         self.kinds = FAULTS_ONE + (FAULTS_FLEET if len(fleet.nodes) > 1 else ()) + ((FAULT_DISK,) if disk else ())
         self.injected: Dict[str, int] = {}
         self.recovery: List[float] = []
+        self.by_kind: Dict[str, List[float]] = {}  # the same, per kind of fault
         self.unrecovered: List[str] = []
         self.error: Optional[str] = None
 
@@ -360,6 +361,7 @@ class Injector(threading.Thread):
                 if code == 200 or code == 404 or (code == 409 and "dead" in str(out)):  # answering, or gone, or dead
                     todo.discard(sid)
                     self.recovery.append(time.monotonic() - t0)
+                    self.by_kind.setdefault(kind, []).append(self.recovery[-1])
             if todo:
                 time.sleep(0.5)  # polled: a gateway restarting has nothing to wait on
         self.unrecovered += [f"{kind}: sandbox {s}" for s in sorted(todo)]
@@ -439,6 +441,7 @@ def soak(image_home: Path, logdir: Path, minutes: float, seed: int, nodes: int, 
             "faults": dict(sorted(injector.injected.items())), "faults_total": total_faults,
             "faults_per_minute": round(total_faults / (elapsed / 60), 2),
             "recovery_s": {"n": len(rec), "p50": percentile(rec, 50), "p99": percentile(rec, 99)},
+            "recovery_max_s": {k: round(max(v), 1) for k, v in sorted(injector.by_kind.items())},
             "not_recovered": injector.unrecovered,
             "violations": [str(v) for v in violations],
             "errors": errors,
@@ -466,6 +469,8 @@ def table(r: dict) -> str:
     fmt = (lambda v: "-" if v is None else f"{v:.1f} s")
     lines.append(f"recovery (fault to each affected sandbox answering): p50 {fmt(rec['p50'])}, "
                  f"p99 {fmt(rec['p99'])} over {rec['n']}")
+    if r["recovery_max_s"]:
+        lines.append("  slowest per fault: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["recovery_max_s"].items()))
     if r["not_recovered"]:
         lines.append(f"not answering within {RECOVERY_BOUND:g} s: " + "; ".join(r["not_recovered"]))
     lines.append(f"invariant violations: {len(r['violations'])}")

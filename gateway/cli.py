@@ -146,14 +146,14 @@ def cmd_serve(args) -> int:
         log = logging.getLogger("sandgate")
         server.stop()
         await culler.stop()
-        if fleet:
-            await fleet.stop()
         if settings.keep_sandboxes:
             log.info("shutting down: %d sandboxes are kept for the next start", len(manager.sandboxes))
             await manager.suspend_all()
         else:
             log.info("shutting down: deleting %d sandboxes", len(manager.sandboxes))
             await manager.delete_all()
+        if fleet:  # beating until every sandbox is paused: another node takes none over while it still runs here
+            await fleet.stop()
         renewing.cancel()
         await proxy.stop()
         await manager.store.close()
