@@ -174,7 +174,7 @@ class Client(threading.Thread):
                 self.create()
                 continue
             kind = self.rng.choices(kinds, weights)[0]
-            sid = self.rng.choice(self.mine)
+            sid = pick(self.rng, self.mine)
             self.last = ""
             ok = getattr(self, kind)(sid)
             run = self.ops.setdefault(kind, [0, 0])
@@ -218,7 +218,7 @@ class Client(threading.Thread):
         cps = self.checkpoints.get(sid)
         if not cps or len(self.mine) >= MAX_PER_CLIENT:
             return self.checkpoint(sid)
-        cid = self.rng.choice(cps)
+        cid = pick(self.rng, cps)
         code, m = self.call("POST", f"/api/sandboxes/{sid}/fork", {"checkpoint": cid})
         if code == 201:
             with self.lock:
@@ -287,7 +287,8 @@ class Injector(threading.Thread):
     def __init__(self, seed: int, fleet: Fleet, ledger: Ledger, lock: threading.Lock, stop: threading.Event,
                  interval: float, disk: bool = False):
         super().__init__(name="chaos-faults", daemon=True)
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # the faults: the same for the same seed
+        self.probe = random.Random(seed + 1)  # which node recovery probes ask: as often as recovery takes
         self.fleet, self.ledger, self.lock, self.stop, self.interval = fleet, ledger, lock, stop, interval
         self.kinds = FAULTS_ONE + (FAULTS_FLEET if len(fleet.nodes) > 1 else ()) + ((FAULT_DISK,) if disk else ())
         self.injected: Dict[str, int] = {}
@@ -325,7 +326,7 @@ class Injector(threading.Thread):
             procs = sorted(runtime_processes(node.home, marker))
             if not procs:
                 return []
-            pid, cmd = procs[self.rng.randrange(len(procs))]
+            pid, cmd = pick(self.rng, procs)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -350,7 +351,7 @@ class Injector(threading.Thread):
         todo = set(affected)
         while todo and time.monotonic() < deadline:  # waited out even once the soak ends: it is counted
             for sid in sorted(todo):
-                api = self.fleet.api(self.rng)
+                api = self.fleet.api(self.probe)
                 with self.lock:
                     gone = self.ledger.sandboxes[sid].deleted is not None
                 if gone:
@@ -365,6 +366,12 @@ class Injector(threading.Thread):
             if todo:
                 time.sleep(0.5)  # polled: a gateway restarting has nothing to wait on
         self.unrecovered += [f"{kind}: sandbox {s}" for s in sorted(todo)]
+
+
+def pick(rng: random.Random, items: list):
+    """One of ``items`` for one draw of ``rng`` whatever their number (choice() draws more for some
+    lengths), so a list whose length depends on timing does not shift the seed's later choices."""
+    return items[min(int(rng.random() * len(items)), len(items) - 1)]
 
 
 def runtime_processes(home: Path, marker: str) -> List[tuple]:
