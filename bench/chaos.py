@@ -12,8 +12,9 @@ until every sandbox it touched answers a read cell again: that time is the fault
 Every client keeps the invariant checker's ``Ledger`` (bench/invariants.py); at the end, with nothing
 in flight, ``check`` runs against each node and its home. Reported: operations run (by kind, with
 how many failed), faults injected (by kind), invariant violations (the goal is zero) and recovery
-p50/p99. One seed gives one sequence of operations per client and one sequence of faults; when they
-land depends on the machine, so a failing run is reproduced by its seed, not to the millisecond.
+p50/p99. One seed gives each client's sequence of operation kinds and the sequence of fault kinds; when
+they land, and on which sandbox or process, depends on the machine's timing, so a failing run is
+reproduced by its seed as a scenario, not to the millisecond.
 The bench fails (exit 1) when it could not run; violations are reported, not an exit status.
 """
 
