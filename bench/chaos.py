@@ -415,6 +415,10 @@ def soak(image_home: Path, logdir: Path, minutes: float, seed: int, nodes: int, 
         for t in fleet.nodes:  # a node the last fault left down comes back for the check
             if t.name in fleet.down:
                 fleet.start(t)
+        first_api = Api(fleet.nodes[0].url, fleet.nodes[0].token)
+        for sid, m in (list_sandboxes(first_api) or {}).items():
+            if m["state"] == "frozen":  # `runsc list`, which the checker asks, hangs on a frozen sandbox
+                first_api.call("POST", f"/api/sandboxes/{sid}/resume", {})
         progress(f"checking the invariants ({len(ledger.sandboxes)} sandboxes tracked)")
         violations: List[Violation] = []
         first = fleet.nodes[0]
