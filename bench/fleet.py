@@ -46,16 +46,21 @@ HERE = {"X-Sandgate-Forwarded": "bench"}  # answered by the node asked, never fo
 class Redis:
     """redis-server on a free loopback port, in a directory of its own."""
 
-    def __init__(self, root: Path):
-        exe = shutil.which("redis-server")
-        if not exe:
+    def __init__(self, root: Path, persist: bool = False):
+        """``persist``: an append-only file, so that a restart keeps the records (the chaos soak's)."""
+        self.exe = shutil.which("redis-server")
+        if not self.exe:
             raise BenchError("redis-server not found: the fleet keeps its records in Redis "
                              "(apt-get install redis-server)")
         self.dir = root / "redis"
         self.dir.mkdir()
         self.port = free_port()
-        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.dir),
-                                      "--save", "", "--appendonly", "no"],
+        self.persist = persist
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.dir),
+                                      "--save", "", "--appendonly", "yes" if self.persist else "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 20
         import socket
@@ -73,6 +78,10 @@ class Redis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

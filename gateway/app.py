@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from tornado import web
 from tornado.log import access_log
@@ -19,6 +20,7 @@ from .core.service import SandboxService
 from .core.tunnel import EgressHook
 from .egress.proxy import EgressProxy, table_resolver
 from .drivers import DRIVERS
+from .drivers.base import RuntimeLease
 from .kernelspecs import KernelSpecs
 from .store.redis import RedisStore
 from .store.seal import Sealer
@@ -38,8 +40,11 @@ def available_drivers(settings: Settings) -> dict:
     return drivers
 
 
-def make_service(settings: Settings) -> SandboxService:
+def make_service(settings: Settings, lease: Optional[RuntimeLease] = None) -> SandboxService:
+    """``lease``: the one `serve` renews, given to the drivers whose runtimes outlive the gateway."""
     drivers = available_drivers(settings)
+    for driver in drivers.values() if lease else ():
+        driver.lease = lease
     if settings.redis_url:
         # Records move between nodes: their secret values are sealed with a key from the fleet key.
         key = settings.fleet_secret()

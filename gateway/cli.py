@@ -28,6 +28,7 @@ def cmd_serve(args) -> int:
     from .core.culler import Culler
     from .core.fleet import Fleet
     from .core.fleetauth import FleetAuth
+    from .drivers.base import RuntimeLease
     from .store.seal import SealError
 
     from . import trace
@@ -84,8 +85,11 @@ def cmd_serve(args) -> int:
             return 1
 
     async def run() -> None:
+        # Renewed from before recover() on: the runtimes the last process left wait for this one.
+        lease = RuntimeLease(settings.home, settings.lease_seconds)
+        renewing = asyncio.ensure_future(lease.keep())
         try:
-            service = make_service(settings)
+            service = make_service(settings, lease)
         except ValueError as e:
             raise SystemExit(f"sandgate: {e}") from None
         if faults.plan_error():  # a test's switch naming no fault point: said, not ignored
@@ -144,14 +148,15 @@ def cmd_serve(args) -> int:
         log = logging.getLogger("sandgate")
         server.stop()
         await culler.stop()
-        if fleet:
-            await fleet.stop()
         if settings.keep_sandboxes:
             log.info("shutting down: %d sandboxes are kept for the next start", len(manager.sandboxes))
             await manager.suspend_all()
         else:
             log.info("shutting down: deleting %d sandboxes", len(manager.sandboxes))
             await manager.delete_all()
+        if fleet:  # beating until every sandbox is paused: another node takes none over while it still runs here
+            await fleet.stop()
+        renewing.cancel()
         await proxy.stop()
         await manager.store.close()
         log.info("gateway stopped")
@@ -286,6 +291,10 @@ def cmd_drain(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.chaos:
+        from sandgate_bench.chaos import run as run_chaos
+
+        return run_chaos(args)
     if args.hostile:
         from sandgate_bench.hostile import run as run_hostile
 
@@ -424,6 +433,21 @@ def main(argv=None) -> int:
     b.add_argument("--hostile-attacks", metavar="A,B",
                    help="with --hostile: only these attacks (gzip, heads, half_open, tokens, downloads, websockets, "
                         "execute; default all), to see what each costs")
+    b.add_argument("--chaos", action="store_true",
+                   help="the chaos soak: clients doing random operations while gateways, shims, runsc, Redis and "
+                        "nodes are killed at random; reports operations, faults, invariant violations and recovery")
+    b.add_argument("--minutes", type=float, default=5.0, metavar="M", help="with --chaos: how long (default 5)")
+    b.add_argument("--seed", type=int, metavar="S", help="with --chaos: the seed (default: a random one, printed)")
+    b.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="with --chaos: 1 gateway, or a fleet of 2 or 3 sharing a redis-server (default 1)")
+    b.add_argument("--chaos-clients", type=int, default=3, metavar="N",
+                   help="with --chaos: clients, each with a sandbox or two (default 3)")
+    b.add_argument("--chaos-fault-interval", type=float, default=20.0, metavar="S",
+                   help="with --chaos: mean seconds between one fault's recovery and the next fault (default 20)")
+    b.add_argument("--chaos-disk-mb", type=int, default=4096, metavar="MB",
+                   help="with --chaos: each node's home is an ext4 file system of this size on a loop file (root), "
+                        "which the full-disk fault fills; 0: homes on the host's disk and no full-disk fault "
+                        "(default 4096)")
     b.add_argument("--trace", action="store_true",
                    help="run the Sandgate gateways with SANDGATE_TRACE=1 and report where sandgate-gvisor's 1+1 "
                         "round trip goes (gateway, agent, kernel; median ms per message)")

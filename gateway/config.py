@@ -196,6 +196,11 @@ class Settings(BaseModel):
                            shown="the host name", help=(
                                "this gateway's name in the fleet: records carry it, and a gateway recovers only "
                                "its own node's"))
+    runtime_lease: Optional[float] = setting(None, ge=0, allow_inf_nan=False, shown="`120` in a fleet, else `0`", help=(
+        "seconds a sandbox runtime (gVisor's shim) waits for a gateway when none is connected and none renews the "
+        "home's lease file; past it the runtime ends, so a node whose gateway stays down keeps no second copy of "
+        "sandboxes other nodes took over. `0`: runtimes wait for the next gateway however long it takes (alone, "
+        "nobody else takes them over: a gateway down for an hour still adopts them)"))
     node_url: str = setting("", shown="`http://<ip>:<port>` as served", help=(
         "how the other nodes reach this one (its heartbeat carries it)"))
     fleet_key: Optional[SecretStr] = setting(None, flag=None, help=(
@@ -299,6 +304,13 @@ class Settings(BaseModel):
             if not name or not all(c.isalnum() or c in "-." for c in name):
                 raise ValueError(f"{name!r} is not a host name")
         return {name.lower().rstrip("."): address for name, address in table.items()}
+
+    @property
+    def lease_seconds(self) -> float:
+        """The runtime lease in force: the setting, else 120 s in a fleet and none alone."""
+        if self.runtime_lease is not None:
+            return self.runtime_lease
+        return 120.0 if self.redis_url else 0.0
 
     @field_validator("fault")
     @classmethod

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import websocket
 
 from sandgate_client import SandgateError
-from conftest import Gateway, wait_for
+from conftest import Gateway, host_processes, wait_for
 from test_store import RedisServer
 
 
@@ -182,6 +183,81 @@ def test_a_dead_nodes_sandbox_comes_back_on_another_from_the_shared_checkpoints(
         b2 = Gateway(home, tmp_path, own_home=b.home, env={**common, "SANDGATE_NODE_ID": "node-b"})
         for g in (a, b2, c):
             g.stop()
+
+
+def runtimes_of(gw: Gateway, sid: str = "") -> list:
+    """The node's shims and runsc processes (each names its home's runtime directory, runsc's --root),
+    or those of one sandbox there (its id names its bundle's directory)."""
+    return [p.pid for p in host_processes(str(gw.home / "runtime" / "gvisor"))
+            if not sid or any(sid in a for a in p.cmdline())]
+
+
+def taken_over_by(a: Gateway, sid: str) -> dict:
+    """Once the dead node's heartbeat has expired, a request through ``a`` makes the sandbox its own."""
+    return wait_for(lambda: (lambda r: r.json() if r.status == 200 and r.json()["state"] in ("paused", "dead")
+                             else None)(a.request("GET", f"/api/sandboxes/{sid}")), timeout=60)
+
+
+def test_a_dead_node_whose_gateway_stays_down_ends_its_runtimes_within_the_lease(home, tmp_path, redis):
+    """B dies (kill -9) holding a sandbox A then takes over from its checkpoint: B's runsc sandbox,
+    which its shim kept running for a gateway that never comes back, is gone within B's lease."""
+    common = fleet_env(redis, SANDGATE_CHECKPOINT_STORE=str(tmp_path / "checkpoints"))
+    lease = 15
+    a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
+    b = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-b", "SANDGATE_RUNTIME_LEASE": str(lease)})
+    try:
+        sid = b.request("POST", "/api/sandboxes", {}).json()["id"]
+        assert b.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "x = 41"}).json()["status"] == "ok"
+        cp = b.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "c"}).json()["id"]
+        assert runtimes_of(b)  # its shim and runsc
+        b.proc.kill()
+        b.proc.wait()
+        killed = time.monotonic()
+        assert taken_over_by(a, sid)["resume_from"] == cp
+        assert runtimes_of(b)  # still running: its shim waits out the lease for a gateway
+        wait_for(lambda: not runtimes_of(b), timeout=lease + 30)  # the lease, its checks, runsc's teardown
+        gone_after = time.monotonic() - killed
+        assert gone_after >= lease - 1, f"ended after {gone_after:.1f} s, before the {lease} s lease"
+        r = a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x)"})
+        assert r.json()["stdout"] == "41\n", r.body  # the one copy left: A's
+        assert a.request("DELETE", f"/api/sandboxes/{sid}").status == 204
+    finally:
+        for g in (a, b):
+            g.stop()
+
+
+def test_a_node_that_restarts_reaps_a_runtime_another_node_has_taken_over(home, tmp_path, redis):
+    """B dies (kill -9), A takes its sandbox over, B's gateway starts again on its home within the
+    lease: it adopts nothing the store says is A's, and reaps that runtime at once."""
+    common = fleet_env(redis, SANDGATE_CHECKPOINT_STORE=str(tmp_path / "checkpoints"))
+    a = Gateway(home, tmp_path, env={**common, "SANDGATE_NODE_ID": "node-a"})
+    b_env = {**common, "SANDGATE_NODE_ID": "node-b", "SANDGATE_MAX_KERNELS": "32"}  # the room: both start on B
+    b = Gateway(home, tmp_path, env=b_env)
+    b2 = None
+    try:
+        mine = b.request("POST", "/api/sandboxes", {}).json()["id"]  # B's, and stays B's
+        sid = b.request("POST", "/api/sandboxes", {}).json()["id"]
+        for s in (sid, mine):
+            assert b.request("POST", f"/api/sandboxes/{s}/execute", {"code": "x = 7"}).json()["status"] == "ok"
+        assert b.request("POST", f"/api/sandboxes/{sid}/checkpoints", {"name": "c"}).status == 201
+        assert runtimes_of(b, sid) and runtimes_of(b, mine)
+        b.proc.kill()
+        b.proc.wait()
+        assert taken_over_by(a, sid)["state"] == "paused"
+        assert a.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "t"}).status == 200  # A's
+        b2 = Gateway(home, tmp_path, own_home=b.home, env=b_env)
+        # B's own sandbox was adopted, memory and all; the taken-over one's runtime was not.
+        r = b2.request("POST", f"/api/sandboxes/{mine}/execute", {"code": "print(x)"})
+        assert r.json()["stdout"] == "7\n", r.body
+        assert f"sandbox {mine}: adopted its running runtime" in b2.log_text()
+        assert f"sandbox {sid}" not in b2.log_text()  # not adopted, not recovered: not B's
+        assert not runtimes_of(b2, sid) and runtimes_of(b2, mine)  # reaped before B2 listened
+        assert b2.request("GET", f"/api/sandboxes/{sid}", headers={"X-Sandgate-Forwarded": "t"}).status == 404
+        assert a.request("POST", f"/api/sandboxes/{sid}/execute", {"code": "print(x)"}).json()["stdout"] == "7\n"
+    finally:
+        for g in (a, b, b2):
+            if g:
+                g.stop()
 
 
 def server_nodes(server) -> list:

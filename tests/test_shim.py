@@ -114,7 +114,7 @@ if how == "dies-after-start":  # as a runsc killed (say, by the memory cgroup it
 '''
 
 
-def shim_argv(tmp: Path, detached: str = "", cgroup: str = "") -> list:
+def shim_argv(tmp: Path, detached: str = "", cgroup: str = "", lease: tuple = ()) -> list:
     runtime, options = [sys.executable, "-c", RUNTIME], []
     if detached:
         runtime = [sys.executable, "-c", LAUNCHER, str(tmp / "sandbox.pid"), detached, RUNTIME]
@@ -122,7 +122,7 @@ def shim_argv(tmp: Path, detached: str = "", cgroup: str = "") -> list:
         cleanup = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write(repr(sorted(os.listdir('/proc'))))",
                    str(tmp / "cleaned-up")]
         options = ["--detached", str(tmp / "sandbox.pid"), *(["--cgroup", cgroup] if cgroup else []),
-                   "--cleanup", *cleanup]
+                   *(["--lease", str(lease[0]), str(lease[1])] if lease else []), "--cleanup", *cleanup]
     return [sys.executable, "-I", "-S", str(SHIM), str(tmp / "shim.sock"), str(tmp / "status"), *options, "--", *runtime]
 
 
@@ -430,3 +430,80 @@ def test_a_launcher_stopped_before_runsc_recorded_its_sandbox_leaves_no_cgroups(
             if d.exists():
                 wait_for(lambda: not (d / "cgroup.procs").read_text().strip(), timeout=30)
                 d.rmdir()
+
+
+def test_a_runtime_ends_once_no_gateway_holds_it_or_renews_its_lease(tmp_path):
+    """A gateway connected, or a lease file renewed, keeps the runtime past its lease's length;
+    with neither, it is ended (and cleaned up as any ended sandbox) within about one lease."""
+    lease, seconds = tmp_path / "runtimes.lease", 2.0
+    lease.touch()
+    proc = subprocess.Popen(shim_argv(tmp_path, "with-gofer", lease=(lease, seconds)), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        sock = tmp_path / "shim.sock"
+        s = wait_for(lambda: _connected(sock), timeout=30)
+        s.sendall(frame(b"ping"))
+        assert recv_frame(s) == (b"ping", b"")
+        sandbox = int(wait_for(lambda: pid_in(tmp_path / "sandbox.pid"), timeout=30))
+        gofer = int(wait_for(lambda: pid_in(tmp_path / "sandbox.pid.gofer"), timeout=30))
+        with pytest.raises(subprocess.TimeoutExpired):  # held by a gateway, the stale file does not matter
+            proc.wait(timeout=3 * seconds)
+        s.close()
+        end = time.monotonic() + 3 * seconds
+        while time.monotonic() < end:  # no gateway, but the lease renewed, as a gateway restarting does
+            lease.touch()
+            assert proc.poll() is None
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=30) == 137  # no gateway, no renewal: SIGKILLed
+        assert time.monotonic() - t0 < seconds + 10  # a lease, a check's interval, the 5 s this gofer is given, slack
+        assert (tmp_path / "status").read_text() == "-9"
+        assert gone(sandbox) and gone(gofer)
+        assert (tmp_path / "cleaned-up").exists()  # runsc delete ran, as for any sandbox that ended
+        assert b"no gateway for 2 s" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_frozen_runtime_past_its_lease_is_thawed_to_be_ended(tmp_path):
+    """A sandbox paused in memory sits in a frozen cgroup, where SIGKILL waits for a thaw: the shim
+    thaws it after the kill, so the lease ends it too."""
+    name = f"sandgate/sg-shimtest-{os.urandom(4).hex()}"
+    v1 = Path("/sys/fs/cgroup/freezer") / name
+    group = v1 if v1.parent.parent.is_dir() else Path("/sys/fs/cgroup") / name
+    control, frozen = (("freezer.state", "FROZEN") if group == v1 else ("cgroup.freeze", "1"))
+    group.mkdir(parents=True)
+    lease = tmp_path / "runtimes.lease"  # never written: only the shim's start counts
+    argv = shim_argv(tmp_path, "start", cgroup=name, lease=(lease, 1.0))
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        sandbox = int(wait_for(lambda: pid_in(tmp_path / "sandbox.pid"), timeout=30))
+        (group / "cgroup.procs").write_text(str(sandbox))
+        (group / control).write_text(frozen)
+        if group == v1:
+            wait_for(lambda: (group / "freezer.state").read_text().strip() == "FROZEN", timeout=30)
+        assert proc.wait(timeout=60) == 137
+        assert gone(sandbox)
+        assert not group.exists()  # emptied by the kill, removed as the shim ended
+    finally:
+        if proc.poll() is None:
+            (group / control).write_text("THAWED" if group == v1 else "0")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if group.exists():
+            wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), timeout=30)
+            group.rmdir()
+
+
+def _connected(path: Path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    try:
+        s.connect(str(path))
+        return s
+    except OSError:
+        s.close()
+        return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import hashlib
+import logging
 import os
 import signal
 import tempfile
@@ -51,6 +52,34 @@ class SandboxSpec(BaseModel):
 
 class SandboxError(Exception):
     """A sandbox could not be created or has failed; the message says why."""
+
+
+class RuntimeLease:
+    """The home's lease file, whose time a running gateway keeps renewing. A runtime that
+    can outlive its gateway (gVisor's shim) ends once no gateway is connected to it and
+    the lease is older than ``seconds``: a node whose gateway stays down, whose sandboxes
+    other nodes take over, keeps no second copy of them. 0: no lease (runtimes wait)."""
+
+    def __init__(self, home: Path, seconds: float = 0):
+        self.path = home / "runtimes.lease"
+        self.seconds = seconds
+
+    def shim_args(self) -> List[str]:
+        return ["--lease", str(self.path), f"{self.seconds:g}"] if self.seconds else []
+
+    def renew(self) -> None:
+        try:
+            self.path.touch()
+        except OSError as e:  # the runtimes' own grace (their last gateway connection) still holds
+            logging.getLogger("sandgate.drivers").warning("runtime lease %s not renewed: %s", self.path, e)
+
+    async def keep(self) -> None:
+        """Renew it, a few times per lease, until cancelled."""
+        if not self.seconds:
+            return
+        while True:
+            self.renew()
+            await asyncio.sleep(min(max(self.seconds / 4, 0.5), 10.0))
 
 
 def require_disk_for_checkpoint(path: Path, need: int) -> None:
@@ -219,6 +248,7 @@ class Driver(abc.ABC):
     # is the older checkpoint's disk), and a sandbox restored from one on that checkpoint's: then
     # a checkpoint cannot be deleted while a newer one or such a sandbox needs it.
     layered_checkpoints: bool = False
+    lease = RuntimeLease(Path("/"))  # the gateway's (app.make_service); this one is none
 
     @classmethod
     @abc.abstractmethod

@@ -236,7 +236,7 @@ class GVisorSandbox(ProcessSandbox):
         with open(self.log_path, "ab") as stderr:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", str(SHIM), str(self.sockets / "shim.sock"), str(self.sockets / "status"),
-                "--detached", pidfile, "--cgroup", cgroup_name(self.id),
+                "--detached", pidfile, "--cgroup", cgroup_name(self.id), *self.driver.lease.shim_args(),
                 "--cleanup", *self.driver.runsc_args(), "delete", "--force", self.id, "--",
                 *self.driver.runsc_args(), *verb, "--detach", "--pid-file", pidfile, "--bundle", str(bundle), self.id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,

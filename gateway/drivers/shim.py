@@ -16,7 +16,7 @@ and a frame that starts while no gateway is connected waits for the next one.
 When the runtime exits, its exit status (negative for a signal, as in
 subprocess) goes to the file STATUS and the shim exits.
 
-    python shim.py SOCKET STATUS --detached PIDFILE [--cgroup NAME] [--cleanup CMD ...] -- runsc ... run --detach --pid-file PIDFILE ...
+    python shim.py SOCKET STATUS --detached PIDFILE [--cgroup NAME] [--lease FILE SECONDS] [--cleanup CMD ...] -- runsc ... run --detach --pid-file PIDFILE ...
 
 With --detached the runtime is a launcher that starts the sandbox, writes its
 pid to PIDFILE and exits 0 (runsc --detach: no Go process per sandbox left
@@ -31,6 +31,12 @@ pids, is gone before those pids can be reused. Then it removes the cgroups
 NAME (``sandgate/ID``) in every hierarchy: runsc makes them before it has a
 record of the sandbox, so a launcher stopped in between leaves them to no
 `runsc delete`.
+
+With --lease, a shim with no gateway connected ends its runtime (SIGKILL, then
+the exit above) once SECONDS have passed both since a gateway was last
+connected and since FILE's modification time, which a running gateway keeps
+renewing (RuntimeLease in base.py): a gateway that stays down, whose sandboxes
+other nodes of a fleet take over, leaves no second copy running for good.
 
 Standard library only and run by path, not imported with the package: it
 lives as long as its sandbox, one per sandbox, so it is one thread on
@@ -53,7 +59,7 @@ HIGH_WATER = 4 * CHUNK  # bytes queued toward one side before the other side is 
 
 class Shim:
     def __init__(self, listener: socket.socket, pid: int, stdin: int, stdout: int, wakeup: int,
-                 pidfile: str = ""):
+                 pidfile: str = "", lease: tuple = (), cgroup: str = ""):
         self.sel = selectors.DefaultSelector()
         self.listener, self.pid, self.stdin, self.stdout, self.wakeup = listener, pid, stdin, stdout, wakeup
         self.pidfile = pidfile  # until the launcher has exited (--detached): where it names the sandbox
@@ -68,6 +74,10 @@ class Shim:
         self.frame_owner = None  # the gateway that frame goes to (None: dropped)
         self.agent_eof = False
         self.code = None
+        self.lease = lease  # (file, seconds), or () for none
+        self.cgroup = cgroup
+        self.gateway_seen = time.time()  # the gateway that started us was there
+        self.lease_ended = False
         for fd in (listener, stdin, stdout, wakeup):
             os.set_blocking(fd if isinstance(fd, int) else fd.fileno(), False)
         self.sel.register(listener, selectors.EVENT_READ)
@@ -102,9 +112,12 @@ class Shim:
         self.watch(self.stdin, selectors.EVENT_WRITE if self.to_agent else 0)
 
     def run(self) -> int:
+        check = min(max(self.lease[1] / 4, 0.5), 5.0) if self.lease else None
         while self.code is None:
             self.update()
-            for key, ready in self.sel.select():
+            if self.lease and not self.lease_ended:
+                self.check_lease()
+            for key, ready in self.sel.select(check):
                 obj = key.fileobj
                 if obj is self.listener:
                     self.accept()
@@ -120,6 +133,30 @@ class Shim:
                     self.serve_client(ready)
         self.flush()
         return self.code
+
+    def check_lease(self) -> None:
+        """End the runtime if no gateway has held it, or renewed the lease, for the lease's length."""
+        now = time.time()
+        if self.client is not None:
+            self.gateway_seen = now
+            return
+        try:
+            renewed = os.stat(self.lease[0]).st_mtime
+        except OSError:
+            renewed = 0.0  # no file: only the last connection counts
+        if now - max(renewed, self.gateway_seen) <= self.lease[1]:
+            return
+        sys.stderr.write(f"shim: no gateway for {self.lease[1]:g} s (lease {self.lease[0]}): ending the sandbox\n")
+        self.lease_ended = True
+        try:  # the launcher, or the sandbox: our child (not reaped, so its pid is its own) or pinned by a pidfd
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.cgroup:
+            thaw(self.cgroup)  # a frozen (paused in memory) sandbox takes its SIGKILL only once thawed
 
     def flush(self) -> None:
         """The runtime has exited: what it wrote before that still goes to the
@@ -151,6 +188,7 @@ class Shim:
         conn.setblocking(False)
         self.drop_client()
         self.client = conn
+        self.gateway_seen = time.time()
         self.relay_agent()  # a frame that waited for a gateway goes now
 
     def drop_client(self) -> None:
@@ -160,6 +198,7 @@ class Shim:
         self.watch(self.client, 0)
         self.client.close()
         self.client = None
+        self.gateway_seen = time.time()
         self.from_client.clear()
         self.to_client.clear()
 
@@ -387,6 +426,17 @@ def remove_cgroups(name: str) -> None:
             pass
 
 
+def thaw(name: str) -> None:
+    """Thaw the freezer cgroup ``name`` (``sandgate/<runtime id>``), v1 or v2, if it is there."""
+    for path, value in ((f"/sys/fs/cgroup/freezer/{name}/freezer.state", "THAWED"),
+                        (f"/sys/fs/cgroup/{name}/cgroup.freeze", "0")):
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except OSError:
+            pass
+
+
 def become_subreaper() -> None:
     """Orphans of our children become ours (prctl PR_SET_CHILD_SUBREAPER)."""
     import ctypes  # only here: the plain shim does without its memory
@@ -395,7 +445,8 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = (), cgroup: str = "") -> int:
+def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = (), cgroup: str = "",
+         lease: tuple = ()) -> int:
     if pidfile:
         become_subreaper()
         if os.path.exists(pidfile):
@@ -416,7 +467,7 @@ def main(sock: str, status: str, argv: list, pidfile: str = "", cleanup: list = 
         os.umask(old)
     listener.listen(4)
     pid, stdin, stdout = spawn(argv)  # only once the socket is there: a shim that fails leaves no runtime behind
-    shim = Shim(listener, pid, stdin, stdout, wake_r, pidfile)
+    shim = Shim(listener, pid, stdin, stdout, wake_r, pidfile, lease, cgroup)
     code = shim.run()
     listener.close()
     if pidfile:
@@ -440,6 +491,8 @@ if __name__ == "__main__":
     options = sys.argv[3:sep]
     detached = options[options.index("--detached") + 1] if "--detached" in options else ""
     cleanup = options[options.index("--cleanup") + 1:] if "--cleanup" in options else []
-    cgroup = options[options.index("--cgroup") + 1] if "--cgroup" in options[:len(options) - len(cleanup)] else ""
-    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached, cleanup, cgroup)
+    own = options[:len(options) - len(cleanup)]
+    cgroup = own[own.index("--cgroup") + 1] if "--cgroup" in own else ""
+    lease = (own[own.index("--lease") + 1], float(own[own.index("--lease") + 2])) if "--lease" in own else ()
+    rc = main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:], detached, cleanup, cgroup, lease)
     sys.exit(rc if rc >= 0 else 128 - rc)
