@@ -118,3 +118,11 @@ def test_serve_help_has_a_flag_for_every_setting_but_the_secrets():
         elif d.env:
             assert d.env in out.stdout  # named in the list of variable-only settings
     assert "--fleet-key " not in out.stdout and "SANDGATE_FLEET_KEY" in out.stdout
+
+
+def test_the_runtime_lease_is_on_by_default_in_a_fleet_only():
+    # Alone, nobody takes a sandbox over: its runtime waits for the next gateway however long it is down.
+    assert Settings().lease_seconds == 0
+    assert Settings(redis_url="redis://127.0.0.3:6379/0").lease_seconds == 120
+    assert Settings(runtime_lease=30).lease_seconds == 30
+    assert Settings(redis_url="redis://127.0.0.3:6379/0", runtime_lease=0).lease_seconds == 0
