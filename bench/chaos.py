@@ -36,7 +36,8 @@ from typing import Dict, List, Optional
 from .invariants import (COUNTER_CELL, READ_CELL, Api, Ledger, Violation, check, check_leaks, list_sandboxes,
                          runsc_sandboxes)
 from .invariants import _processes as host_processes
-from .kernels import BenchError, SandgateTarget, _default_home, conclude, preflight, progress
+from .harness import BenchError, conclude, default_home, preflight, progress
+from .targets import SandgateTarget
 
 OPERATIONS = {"execute": 10, "checkpoint": 2, "fork": 1, "pause_disk": 1, "pause_memory": 1, "resume": 1,
               "restart": 1, "delete": 1, "files": 2}
@@ -491,7 +492,7 @@ def table(r: dict) -> str:
 
 
 def run(args) -> int:
-    home = Path(args.home) if args.home else _default_home()
+    home = Path(args.home) if args.home else default_home()
     if not 1 <= args.nodes <= 3:
         print("sandgate bench: --nodes is 1, 2 or 3", file=sys.stderr)
         return 2

@@ -535,7 +535,7 @@ def checkpoint_leaks(home: Path, models: Dict[str, dict]) -> List[Violation]:
     gateway's gc keeps: those of live sandboxes, their origin, head and resume point, the
     pool's templates, and their ancestors); chunks and blobs no checkpoint uses."""
     from sandgate.checkpoints import blob_key
-    from sandgate.state_chunks import manifest_keys
+    from sandgate.checkpoints.state_chunks import manifest_keys
 
     root = Path(home) / "checkpoints"
     items = root / "items"
